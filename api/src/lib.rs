@@ -1,0 +1,17 @@
+//! capo's Kubernetes API: the `CapoPolicy` and `ReservedIP` custom resources,
+//! bindings for Calico's `IPReservation` in both of its API groups, and the
+//! well-known labels and annotations capo reads and writes.
+
+pub mod calico;
+pub mod crds;
+pub mod duration;
+pub mod keys;
+pub mod policy;
+pub mod reserved_ip;
+pub mod selector;
+
+pub use calico::CalicoApiGroup;
+pub use duration::{Duration, DurationError};
+pub use policy::{CapoPolicy, CapoPolicySpec, CapoPolicyStatus, HoldFailureAction};
+pub use reserved_ip::{HoldTrigger, PodRef, ReservedIP, ReservedIPSpec, ReservedIPStatus};
+pub use selector::{LabelSelector, Operator, SelectorRequirement};

@@ -1,0 +1,213 @@
+//! `CapoPolicy`: which Pods keep their IPs held after deletion, for how long, and how many.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::selector::LabelSelector;
+
+pub const DEFAULT_RESERVE_FOR: &str = "40m";
+pub const DEFAULT_MAX_RESERVED: u32 = 300;
+pub const DEFAULT_RELEASE_INTERVAL: &str = "5s";
+
+/// A cluster-scoped policy that selects Pods whose IPs capo holds in a Calico
+/// `IPReservation` when they are deleted or evicted.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "capo.io",
+    version = "v1alpha1",
+    kind = "CapoPolicy",
+    plural = "capopolicies",
+    singular = "capopolicy",
+    shortname = "cpol",
+    category = "capo",
+    status = "CapoPolicyStatus",
+    derive = "PartialEq",
+    doc = "Selects Pods whose IPs capo holds in a Calico IPReservation after they are deleted or evicted.",
+    printcolumn(name = "Reserve-For", type_ = "string", json_path = ".spec.reserveFor"),
+    printcolumn(name = "Max", type_ = "integer", json_path = ".spec.maxReserved"),
+    printcolumn(name = "Priority", type_ = "integer", json_path = ".spec.priority"),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.namespaceSelector) || has(self.podSelector) || has(self.workloads)").message("a policy must select something: set namespaceSelector, podSelector or workloads (an empty podSelector {} selects every Pod)"))]
+pub struct CapoPolicySpec {
+    /// Namespaces whose Pods this policy covers (by namespace labels). Absent: every
+    /// namespace except those capo always skips (kube-system and its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+
+    /// Pods this policy covers (by Pod labels). Absent: every Pod in the selected namespaces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_selector: Option<LabelSelector>,
+
+    /// Restrict the policy to Pods controlled by these workloads (matched through the Pod's
+    /// controller owner reference). Absent: no restriction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub workloads: Option<Vec<WorkloadRef>>,
+
+    /// How long a held IP stays held after its Pod is gone, e.g. `40m`.
+    #[serde(default = "default_reserve_for")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("reserveFor must be at least 1s"))]
+    pub reserve_for: String,
+
+    /// The most IPs this policy holds at once; past it the oldest are released first.
+    /// Size it to fit a whole failed node, e.g. 1.2 × the nodes' maxPods.
+    #[serde(default = "default_max_reserved")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_reserved: u32,
+
+    /// The least time between two releases of this policy's IPs (release pacing).
+    #[serde(default = "default_release_interval")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub release_interval: String,
+
+    /// When several policies select a Pod, the highest priority wins; ties go to the
+    /// policy whose name sorts first.
+    #[serde(default)]
+    #[schemars(range(min = -1000, max = 1000))]
+    pub priority: i32,
+
+    /// What to do when the hold cannot be written before answering the API server.
+    #[serde(default)]
+    pub on_hold_failure: HoldFailureAction,
+
+    /// When not to hold at all.
+    #[serde(default)]
+    pub skip: SkipRules,
+
+    /// What a Pod may ask for through its annotations.
+    #[serde(default)]
+    pub pod_overrides: PodOverrides,
+}
+
+fn default_reserve_for() -> String {
+    DEFAULT_RESERVE_FOR.to_string()
+}
+fn default_max_reserved() -> u32 {
+    DEFAULT_MAX_RESERVED
+}
+fn default_release_interval() -> String {
+    DEFAULT_RELEASE_INTERVAL.to_string()
+}
+fn default_true() -> bool {
+    true
+}
+
+/// A workload whose Pods a policy covers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadRef {
+    pub kind: WorkloadKind,
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum WorkloadKind {
+    StatefulSet,
+    Deployment,
+    ReplicaSet,
+    DaemonSet,
+}
+
+/// What the webhook answers when it cannot write the hold in time.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub enum HoldFailureAction {
+    /// Refuse the deletion or eviction with the reason; controllers and `kubectl drain`
+    /// retry. Keeps the guarantee that an allowed deletion always has its IPs held.
+    #[default]
+    Deny,
+    /// Let the deletion proceed and retry the hold in the background (the safety net).
+    Allow,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SkipRules {
+    /// Do not hold IPs of Pods whose namespace is being deleted: nobody comes back for them.
+    #[serde(default = "default_true")]
+    pub namespace_terminating: bool,
+    /// Do not hold IPs of Pods deleted by the garbage collector because their owning
+    /// workload was deleted ("deleting the cluster needs no hold").
+    #[serde(default = "default_true")]
+    pub owner_deleted: bool,
+}
+
+impl Default for SkipRules {
+    fn default() -> Self {
+        Self {
+            namespace_terminating: true,
+            owner_deleted: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.minReserveFor) || !has(self.maxReserveFor) || duration(self.minReserveFor) <= duration(self.maxReserveFor)").message("podOverrides.minReserveFor must not exceed podOverrides.maxReserveFor"))]
+pub struct PodOverrides {
+    /// Pods may opt in with the `capo.io/policy: <name>` or `capo.io/hold: "true"`
+    /// annotation even when `podSelector`/`workloads` do not select them (the
+    /// `namespaceSelector` still applies).
+    #[serde(default = "default_true")]
+    pub allow_opt_in: bool,
+    /// Shortest hold a Pod may ask for with `capo.io/reserve-for`. Absent with
+    /// `maxReserveFor` absent: the annotation is ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub min_reserve_for: Option<String>,
+    /// Longest hold a Pod may ask for with `capo.io/reserve-for`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub max_reserve_for: Option<String>,
+}
+
+impl Default for PodOverrides {
+    fn default() -> Self {
+        Self {
+            allow_opt_in: true,
+            min_reserve_for: None,
+            max_reserve_for: None,
+        }
+    }
+}
+
+/// Health only; counters live in metrics (status churn would make Argo CD re-sync).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CapoPolicyStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+impl CapoPolicyStatus {
+    pub fn condition(&self, type_: &str) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+}
+
+pub const READY_CONDITION: &str = "Ready";

@@ -1,0 +1,159 @@
+//! `ReservedIP`: capo's record of one held IP, the source of truth for its release.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::net::IpAddr;
+
+/// One IP that capo holds in a Calico `IPReservation` on behalf of a deleted Pod.
+/// Named after the IP (`10.0.0.5`, `fd00--5` for `fd00::5`).
+#[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "capo.io",
+    version = "v1alpha1",
+    kind = "ReservedIP",
+    plural = "reservedips",
+    singular = "reservedip",
+    shortname = "rip",
+    category = "capo",
+    status = "ReservedIPStatus",
+    derive = "PartialEq",
+    doc = "An IP capo holds in a Calico IPReservation after its Pod was deleted or evicted.",
+    printcolumn(name = "IP", type_ = "string", json_path = ".spec.ip"),
+    printcolumn(name = "Policy", type_ = "string", json_path = ".spec.policy"),
+    printcolumn(
+        name = "Namespace",
+        type_ = "string",
+        json_path = ".spec.pod.namespace"
+    ),
+    printcolumn(name = "Pod", type_ = "string", json_path = ".spec.pod.name"),
+    printcolumn(
+        name = "Node",
+        type_ = "string",
+        json_path = ".spec.pod.node",
+        priority = 1
+    ),
+    printcolumn(name = "Trigger", type_ = "string", json_path = ".spec.trigger"),
+    printcolumn(name = "Hold", type_ = "string", json_path = ".spec.reserveFor"),
+    printcolumn(name = "Reserved", type_ = "date", json_path = ".spec.reservedAt"),
+    printcolumn(name = "Release-At", type_ = "string", json_path = ".status.releaseAt")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservedIPSpec {
+    /// The held address.
+    pub ip: String,
+    /// The entry in the reservation: `<ip>/32` or `<ip>/128`.
+    pub cidr: String,
+    /// The capo-owned Calico `IPReservation` holding the entry.
+    pub reservation: String,
+    /// The Calico API group the reservation was written in.
+    pub calico_api_group: String,
+    /// The `CapoPolicy` that selected the Pod.
+    pub policy: String,
+    /// The Pod that had the IP.
+    pub pod: PodRef,
+    /// What started the hold.
+    pub trigger: HoldTrigger,
+    /// When capo first wrote the hold. Repeated deletions keep it.
+    pub reserved_at: Time,
+    /// How long the IP stays held once the Pod is gone (policy `reserveFor`, or the Pod's
+    /// permitted override).
+    pub reserve_for: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum HoldTrigger {
+    /// A Pod DELETE request reached the webhook.
+    Delete,
+    /// A `pods/eviction` CREATE request reached the webhook.
+    Eviction,
+    /// The leader saw a selected Pod terminate without passing through the webhook.
+    SafetyNet,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservedIPStatus {
+    /// When capo saw the Pod object gone; the hold's clock starts here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_gone_at: Option<Time>,
+    /// When the leader will release the IP (podGoneAt + reserveFor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_at: Option<Time>,
+}
+
+/// The object name of the record for `ip`: the IP itself, with `:` spelled `-` for IPv6.
+pub fn record_name(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => {
+            // Canonical form, with a leading or trailing `::` given an explicit zero so the
+            // name starts and ends with an alphanumeric character.
+            let mut s = v6.to_string();
+            if s.starts_with("::") {
+                s.insert(0, '0');
+            }
+            if s.ends_with("::") {
+                s.push('0');
+            }
+            s.replace(':', "-")
+        }
+    }
+}
+
+/// The reservation entry for `ip`: a single-address CIDR in canonical form.
+pub fn single_ip_cidr(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => format!("{v4}/32"),
+        IpAddr::V6(v6) => format!("{v6}/128"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_names_are_valid_object_names_and_distinct_per_family() {
+        let v4: IpAddr = "10.1.2.3".parse().unwrap();
+        let v6: IpAddr = "FD00:0:0::A".parse().unwrap();
+        assert_eq!(record_name(v4), "10.1.2.3");
+        assert_eq!(record_name(v6), "fd00--a");
+        let edges: [IpAddr; 2] = ["::1".parse().unwrap(), "fd00:1::".parse().unwrap()];
+        assert_eq!(record_name(edges[0]), "0--1");
+        assert_eq!(record_name(edges[1]), "fd00-1--0");
+        for n in [
+            record_name(v4),
+            record_name(v6),
+            record_name(edges[0]),
+            record_name(edges[1]),
+        ] {
+            assert!(n.len() <= 253);
+            assert!(!n.starts_with('-') && !n.ends_with('-'), "{n}");
+            assert!(
+                n.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+            );
+        }
+    }
+
+    #[test]
+    fn single_ip_cidrs_are_canonical() {
+        assert_eq!(single_ip_cidr("10.1.2.3".parse().unwrap()), "10.1.2.3/32");
+        assert_eq!(
+            single_ip_cidr("FD00:0000::0001".parse().unwrap()),
+            "fd00::1/128"
+        );
+    }
+}

@@ -1,0 +1,468 @@
+//! capo's local test control plane: a real etcd, kube-apiserver, kube-controller-manager,
+//! kube-scheduler and kwok (fake nodes and kubelets), built from the Go module proxy by
+//! `hack/build-controlplane.sh` and started on 127.0.0.1 with free ports.
+//!
+//! - Tests call [`shared`] to get the control plane of their test binary (started once,
+//!   gone when the binary exits, even after a panic), or set `CAPO_TEST_KUBECONFIG` to
+//!   attach to one that is already running (`make testenv-up`).
+//! - [`TestNamespace`] gives each test its own namespace.
+//! - The `capo-testenv` binary behind `make testenv-up`/`testenv-down` runs the same code.
+
+mod binaries;
+mod kubeconfig;
+mod nodes;
+mod pki;
+mod process;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kube::Client;
+
+pub use nodes::{KWOK_NODE_ANNOTATION, node_names};
+use process::Component;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("generating the {what}: {source}")]
+    Certificate {
+        what: &'static str,
+        source: rcgen::Error,
+    },
+    #[error("{script} failed ({status}); see its output above")]
+    Build { script: PathBuf, status: String },
+    #[error(
+        "control-plane binary {path} is missing; run hack/build-controlplane.sh or unset CAPO_TESTENV_BIN"
+    )]
+    MissingBinary { path: PathBuf },
+    #[error("{component} exited ({status}); its log is {log}")]
+    Exited {
+        component: &'static str,
+        status: String,
+        log: PathBuf,
+    },
+    #[error("timed out after {after:?} waiting for {what}; logs are in {state_dir}")]
+    Timeout {
+        what: String,
+        after: Duration,
+        state_dir: PathBuf,
+    },
+    #[error("kubeconfig {path}: {message}")]
+    Kubeconfig { path: PathBuf, message: String },
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+/// How to start a control plane.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Where certificates, etcd data, logs and the kubeconfig go.
+    pub state_dir: PathBuf,
+    /// How many kwok nodes to create (`kwok-node-0`, ...).
+    pub nodes: usize,
+}
+
+/// A running control plane. Its processes stop when it is dropped, or when the thread
+/// that started it exits.
+pub struct ControlPlane {
+    pub state_dir: PathBuf,
+    pub kubeconfig: PathBuf,
+    pub server: String,
+    components: Vec<Component>,
+}
+
+fn free_port() -> Result<u16, Error> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io {
+        path: "127.0.0.1:0".into(),
+        source,
+    })?;
+    Ok(l.local_addr()
+        .map_err(|source| Error::Io {
+            path: "127.0.0.1:0".into(),
+            source,
+        })?
+        .port())
+}
+
+fn path_arg(flag: &str, path: &Path) -> String {
+    format!("--{flag}={}", path.display())
+}
+
+impl ControlPlane {
+    /// Builds (or finds cached) binaries and starts every component, returning once the
+    /// API server is ready and every kwok node is `Ready`.
+    pub fn start(opts: Options) -> Result<Self, Error> {
+        let state = opts.state_dir.clone();
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Io { path, source }
+        };
+        std::fs::create_dir_all(&state).map_err(io(&state))?;
+        let state = std::fs::canonicalize(&state).map_err(io(&state))?;
+        std::fs::write(state.join("pid"), std::process::id().to_string()).map_err(io(&state))?;
+        let bin = binaries::locate()?;
+        let pki_dir = state.join("pki");
+        std::fs::create_dir_all(&pki_dir).map_err(io(&pki_dir))?;
+        let pki = pki::write(&pki_dir)?;
+        let p = |name: &str| pki_dir.join(name);
+
+        let (etcd_port, etcd_peer, api_port) = (free_port()?, free_port()?, free_port()?);
+        let server = format!("https://127.0.0.1:{api_port}");
+        let kubeconfig = state.join("kubeconfig");
+        kubeconfig::write(&kubeconfig, &server, &pki)?;
+        let mut cp = ControlPlane {
+            state_dir: state.clone(),
+            kubeconfig: kubeconfig.clone(),
+            server,
+            components: vec![],
+        };
+
+        let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+        let peer_url = format!("http://127.0.0.1:{etcd_peer}");
+        cp.spawn(
+            &bin,
+            "etcd",
+            vec![
+                path_arg("data-dir", &state.join("etcd")),
+                format!("--listen-client-urls={etcd_url}"),
+                format!("--advertise-client-urls={etcd_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=default={peer_url}"),
+                "--unsafe-no-fsync=true".into(),
+                "--log-level=warn".into(),
+            ],
+        )?;
+        cp.spawn(
+            &bin,
+            "kube-apiserver",
+            vec![
+                format!("--etcd-servers={etcd_url}"),
+                format!("--secure-port={api_port}"),
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                path_arg("tls-cert-file", &p("apiserver.crt")),
+                path_arg("tls-private-key-file", &p("apiserver.key")),
+                path_arg("client-ca-file", &p("ca.crt")),
+                path_arg("cert-dir", &pki_dir),
+                "--authorization-mode=Node,RBAC".into(),
+                "--service-cluster-ip-range=10.0.0.0/24".into(),
+                "--service-account-issuer=https://kubernetes.default.svc".into(),
+                path_arg("service-account-key-file", &p("sa.pub")),
+                path_arg("service-account-signing-key-file", &p("sa.key")),
+                "--endpoint-reconciler-type=none".into(),
+                // Namespaces are created by tests right before their Pods; do not race the
+                // service-account controller for the default ServiceAccount.
+                "--disable-admission-plugins=ServiceAccount".into(),
+                "--allow-privileged=true".into(),
+                "--v=1".into(),
+            ],
+        )?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(io(&state))?;
+        rt.block_on(cp.wait_api_ready(Duration::from_secs(90)))?;
+
+        let kcm_port = free_port()?;
+        cp.spawn(
+            &bin,
+            "kube-controller-manager",
+            vec![
+                path_arg("kubeconfig", &kubeconfig),
+                path_arg("authentication-kubeconfig", &kubeconfig),
+                path_arg("authorization-kubeconfig", &kubeconfig),
+                format!("--secure-port={kcm_port}"),
+                "--bind-address=127.0.0.1".into(),
+                "--leader-elect=false".into(),
+                "--use-service-account-credentials=true".into(),
+                path_arg("service-account-private-key-file", &p("sa.key")),
+                path_arg("root-ca-file", &p("ca.crt")),
+                "--controllers=namespace-controller,garbage-collector-controller,statefulset-controller,\
+                 replicaset-controller,deployment-controller,disruption-controller,serviceaccount-controller,\
+                 serviceaccount-token-controller,pod-garbage-collector-controller,job-controller,\
+                 daemonset-controller,node-lifecycle-controller,taint-eviction-controller"
+                    .into(),
+                "--concurrent-gc-syncs=5".into(),
+                "--v=1".into(),
+            ],
+        )?;
+        let sched_port = free_port()?;
+        cp.spawn(
+            &bin,
+            "kube-scheduler",
+            vec![
+                path_arg("kubeconfig", &kubeconfig),
+                path_arg("authentication-kubeconfig", &kubeconfig),
+                path_arg("authorization-kubeconfig", &kubeconfig),
+                format!("--secure-port={sched_port}"),
+                "--bind-address=127.0.0.1".into(),
+                "--leader-elect=false".into(),
+                "--v=1".into(),
+            ],
+        )?;
+        let kwok_port = free_port()?;
+        cp.spawn(
+            &bin,
+            "kwok",
+            vec![
+                path_arg("kubeconfig", &kubeconfig),
+                path_arg("config", &bin.join("kwok-stages.yaml")),
+                "--manage-all-nodes=false".into(),
+                format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
+                format!("--server-address=127.0.0.1:{kwok_port}"),
+                "--node-lease-duration-seconds=40".into(),
+            ],
+        )?;
+        rt.block_on(async {
+            let client = cp.client().await?;
+            nodes::create(&client, opts.nodes).await?;
+            cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60))
+                .await
+        })?;
+        Ok(cp)
+    }
+
+    fn spawn(&mut self, bin: &Path, name: &'static str, args: Vec<String>) -> Result<(), Error> {
+        let c = Component::spawn(name, bin, &args, &self.state_dir)?;
+        self.components.push(c);
+        Ok(())
+    }
+
+    /// Pids of the running components, in start order.
+    pub fn pids(&self) -> Vec<(&'static str, u32)> {
+        self.components.iter().map(|c| (c.name, c.pid())).collect()
+    }
+
+    pub async fn client(&self) -> Result<Client, Error> {
+        client_from_kubeconfig(&self.kubeconfig).await
+    }
+
+    fn check_components(&mut self) -> Result<(), Error> {
+        let state = self.state_dir.clone();
+        self.components
+            .iter_mut()
+            .try_for_each(|c| c.ensure_running(&state))
+    }
+
+    fn timeout(&self, what: &str, after: Duration) -> Error {
+        Error::Timeout {
+            what: what.to_string(),
+            after,
+            state_dir: self.state_dir.clone(),
+        }
+    }
+
+    async fn wait_api_ready(&mut self, limit: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + limit;
+        loop {
+            self.check_components()?;
+            if let Ok(client) = self.client().await {
+                let req = http::Request::get("/readyz")
+                    .body(Vec::new())
+                    .expect("static request");
+                if client
+                    .request_text(req)
+                    .await
+                    .is_ok_and(|body| body.trim() == "ok")
+                {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(self.timeout("kube-apiserver /readyz", limit));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn wait_nodes_ready(
+        &mut self,
+        client: &Client,
+        count: usize,
+        limit: Duration,
+    ) -> Result<(), Error> {
+        let deadline = Instant::now() + limit;
+        loop {
+            self.check_components()?;
+            if nodes::ready_count(client).await? >= count {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.timeout("kwok nodes to become Ready", limit));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Stops every component, newest first.
+    pub fn stop(&mut self) {
+        while let Some(mut c) = self.components.pop() {
+            c.stop(Duration::from_secs(5));
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A client for the admin kubeconfig at `path`.
+pub async fn client_from_kubeconfig(path: &Path) -> Result<Client, Error> {
+    let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| Error::Kubeconfig {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .map_err(|e| Error::Kubeconfig {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+    Ok(Client::try_from(config)?)
+}
+
+/// Where a test binary's control plane keeps its state; stale ones (their test binary is
+/// gone) are removed when the next one starts.
+fn test_state_root() -> PathBuf {
+    std::env::var_os("CAPO_TESTENV_STATE_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("capo-testenv"))
+}
+
+fn sweep_stale(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let pid = std::fs::read_to_string(entry.path().join("pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok());
+        if pid.is_none_or(|pid| !process::alive(pid)) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// The control plane a test binary talks to.
+pub struct Shared {
+    pub kubeconfig: PathBuf,
+    /// Present when this test binary started it (absent when attached).
+    pub state_dir: Option<PathBuf>,
+}
+
+impl Shared {
+    pub async fn client(&self) -> Client {
+        client_from_kubeconfig(&self.kubeconfig)
+            .await
+            .expect("client for the test control plane")
+    }
+}
+
+static SHARED: OnceLock<Shared> = OnceLock::new();
+static STATE_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+extern "C" fn remove_state_at_exit() {
+    if let Some(dir) = STATE_DIR.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// The control plane of this test binary: attached through `CAPO_TEST_KUBECONFIG`, or
+/// started on first use by a dedicated thread that lives as long as the process, so the
+/// components die with the test binary however it ends.
+pub fn shared() -> &'static Shared {
+    SHARED.get_or_init(|| {
+        if let Some(path) = std::env::var_os("CAPO_TEST_KUBECONFIG") {
+            return Shared {
+                kubeconfig: PathBuf::from(path),
+                state_dir: None,
+            };
+        }
+        let root = test_state_root();
+        sweep_stale(&root);
+        let state_dir = root.join(format!("{}", std::process::id()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let opts = Options {
+            state_dir: state_dir.clone(),
+            nodes: 2,
+        };
+        std::thread::Builder::new()
+            .name("capo-testenv".into())
+            .spawn(move || {
+                let started = ControlPlane::start(opts);
+                let result = started
+                    .as_ref()
+                    .map(|cp| cp.kubeconfig.clone())
+                    .map_err(|e| e.to_string());
+                let _ = tx.send(result);
+                // Keep the processes' parent thread alive for the life of the process;
+                // PR_SET_PDEATHSIG kills them when it goes.
+                let _keep = started;
+                loop {
+                    std::thread::park();
+                }
+            })
+            .expect("spawn the testenv thread");
+        let kubeconfig = rx
+            .recv()
+            .expect("testenv thread")
+            .unwrap_or_else(|e| panic!("test control plane: {e}"));
+        let _ = STATE_DIR.set(state_dir.clone());
+        // SAFETY: registering a plain extern "C" fn with no captured state.
+        unsafe {
+            libc::atexit(remove_state_at_exit);
+        }
+        Shared {
+            kubeconfig,
+            state_dir: Some(state_dir),
+        }
+    })
+}
+
+/// A namespace of the test's own, named `<prefix>-<n>`; labelled so a test can select it.
+pub struct TestNamespace {
+    pub name: String,
+}
+
+impl TestNamespace {
+    pub async fn create(client: &Client, prefix: &str) -> TestNamespace {
+        Self::create_with_labels(client, prefix, &[]).await
+    }
+
+    pub async fn create_with_labels(
+        client: &Client,
+        prefix: &str,
+        labels: &[(&str, &str)],
+    ) -> TestNamespace {
+        use k8s_openapi::api::core::v1::Namespace;
+        use kube::api::{Api, PostParams};
+        static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{prefix}-{}-{n}", std::process::id() % 100_000);
+        let mut all: std::collections::BTreeMap<String, String> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        all.insert("capo-test".into(), "true".into());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": name, "labels": all }
+        }))
+        .expect("namespace");
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
+        TestNamespace { name }
+    }
+}

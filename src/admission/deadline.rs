@@ -1,0 +1,40 @@
+//! How long the webhook may spend: the API server passes its own deadline in the
+//! `timeout` query parameter; capo answers comfortably inside it.
+
+use std::time::Duration;
+
+/// Time kept back from the API server's deadline for the answer to travel.
+const MARGIN: Duration = Duration::from_millis(500);
+/// The least budget capo works with, even under a very short deadline.
+const FLOOR: Duration = Duration::from_millis(200);
+
+/// The time capo may spend writing a hold, given the `timeout` query parameter (a Go
+/// duration such as `10s`) and capo's own ceiling.
+pub fn budget(timeout_param: Option<&str>, ceiling: Duration) -> Duration {
+    let server = timeout_param
+        .and_then(|t| t.parse::<capo_api::Duration>().ok())
+        .map(|d| d.as_std());
+    let limit = server.map_or(ceiling, |s| s.min(ceiling));
+    // Keep the margin, or a quarter of a short deadline.
+    let margin = MARGIN.min(limit / 4);
+    limit.saturating_sub(margin).max(FLOOR.min(limit))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_inside_the_api_servers_deadline() {
+        let ceiling = Duration::from_secs(10);
+        assert_eq!(budget(Some("5s"), ceiling), Duration::from_millis(4500));
+        assert_eq!(budget(Some("30s"), ceiling), Duration::from_millis(9500));
+        assert_eq!(budget(None, ceiling), Duration::from_millis(9500));
+        assert_eq!(budget(Some("1s"), ceiling), Duration::from_millis(750));
+        assert_eq!(
+            budget(Some("garbage"), ceiling),
+            Duration::from_millis(9500)
+        );
+        assert!(budget(Some("100ms"), ceiling) <= Duration::from_millis(100));
+    }
+}

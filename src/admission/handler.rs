@@ -1,0 +1,352 @@
+//! The `/hold` endpoint: parse, decide, hold, answer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use capo_api::{HoldFailureAction, HoldTrigger};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::Api;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use tracing::{debug, info, warn};
+
+use super::deadline::budget;
+use super::respond::{allow, deny};
+use crate::cache::{Caches, NamespaceFacts};
+use crate::health::Readiness;
+use crate::hold::{HoldError, HoldRequest, HoldStore, RecordOutcome};
+use crate::metrics::Metrics;
+use crate::pod::PodFacts;
+use crate::policy::{Decision, HoldPlan, RequestContext, SharedMatcher};
+
+/// The user the garbage collector deletes dependents as (kube-controller-manager with
+/// `--use-service-account-credentials`, the default everywhere that matters).
+pub const GARBAGE_COLLECTOR_USER: &str =
+    "system:serviceaccount:kube-system:generic-garbage-collector";
+
+#[derive(Clone, Debug)]
+pub struct AdmissionSettings {
+    /// Namespaces capo never holds in (kube-system, its own).
+    pub excluded_namespaces: Vec<String>,
+    /// The most time spent on one review, whatever the API server allows.
+    pub max_review_time: Duration,
+}
+
+pub struct Admission {
+    pub matcher: SharedMatcher,
+    pub caches: Arc<Caches>,
+    pub store: HoldStore,
+    pub client: Client,
+    pub metrics: Arc<Metrics>,
+    pub readiness: Arc<Readiness>,
+    pub settings: AdmissionSettings,
+}
+
+pub fn router(admission: Arc<Admission>) -> Router {
+    Router::new()
+        .route("/hold", post(serve))
+        .with_state(admission)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Delete,
+    Eviction,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Delete => "delete",
+            Kind::Eviction => "eviction",
+        }
+    }
+    fn trigger(self) -> HoldTrigger {
+        match self {
+            Kind::Delete => HoldTrigger::Delete,
+            Kind::Eviction => HoldTrigger::Eviction,
+        }
+    }
+    /// The code of a denial: eviction clients (`kubectl drain`) retry on 429.
+    fn deny_code(self) -> u16 {
+        match self {
+            Kind::Delete => 503,
+            Kind::Eviction => 429,
+        }
+    }
+}
+
+fn bad_request(message: String) -> Response {
+    (StatusCode::BAD_REQUEST, message).into_response()
+}
+
+async fn serve(
+    State(adm): State<Arc<Admission>>,
+    Query(query): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
+    let started = Instant::now();
+    let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            adm.metrics
+                .admission_requests
+                .with_label_values(&["unknown", "malformed"])
+                .inc();
+            return bad_request(format!("malformed AdmissionReview: {e}"));
+        }
+    };
+    let request: AdmissionRequest<DynamicObject> = match review.try_into() {
+        Ok(r) => r,
+        Err(e) => {
+            adm.metrics
+                .admission_requests
+                .with_label_values(&["unknown", "malformed"])
+                .inc();
+            return bad_request(format!("malformed AdmissionReview: {e}"));
+        }
+    };
+    if !adm.readiness.is_ready() {
+        // Not an answer capo can give yet: the API server applies the webhook's
+        // failurePolicy, exactly as when capo is unreachable.
+        adm.metrics
+            .admission_requests
+            .with_label_values(&["unknown", "not_ready"])
+            .inc();
+        let missing = adm.readiness.missing().join(", ");
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("capo is starting: waiting for {missing}"),
+        )
+            .into_response();
+    }
+    let deadline = started
+        + budget(
+            query.get("timeout").map(String::as_str),
+            adm.settings.max_review_time,
+        );
+    let (kind, outcome, response) = match adm.review(&request, deadline).await {
+        Ok(r) => r,
+        Err(message) => {
+            adm.metrics
+                .admission_requests
+                .with_label_values(&["unknown", "malformed"])
+                .inc();
+            return bad_request(message);
+        }
+    };
+    let op = kind.map_or("other", Kind::as_str);
+    adm.metrics
+        .admission_requests
+        .with_label_values(&[op, outcome])
+        .inc();
+    adm.metrics
+        .admission_duration
+        .with_label_values(&[op, outcome])
+        .observe(started.elapsed().as_secs_f64());
+    axum::Json(response.into_review()).into_response()
+}
+
+impl Admission {
+    /// `Err` only for a request that is not a well-formed review of what capo handles.
+    async fn review(
+        &self,
+        req: &AdmissionRequest<DynamicObject>,
+        deadline: Instant,
+    ) -> Result<(Option<Kind>, &'static str, AdmissionResponse), String> {
+        let resp = AdmissionResponse::from(req);
+        let kind = match (
+            &req.operation,
+            req.sub_resource.as_deref(),
+            req.resource.resource.as_str(),
+        ) {
+            (Operation::Delete, None | Some(""), "pods") => Kind::Delete,
+            (Operation::Create, Some("eviction"), "pods") => Kind::Eviction,
+            // Not something capo registers for; never stand in the way.
+            _ => return Ok((None, "ignored", allow(resp, vec![]))),
+        };
+        let namespace = req.namespace.clone().unwrap_or_default();
+        if self.settings.excluded_namespaces.contains(&namespace) {
+            return Ok((Some(kind), "excluded", allow(resp, vec![])));
+        }
+        let pod = match kind {
+            Kind::Delete => {
+                let old = req
+                    .old_object
+                    .as_ref()
+                    .ok_or("a Pod DELETE review without oldObject")?;
+                let value = serde_json::to_value(old).map_err(|e| format!("oldObject: {e}"))?;
+                PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?
+            }
+            Kind::Eviction => match self.evicted_pod(&namespace, &req.name).await {
+                Ok(Some(p)) => p,
+                Ok(None) => return Ok((Some(kind), "no_pod", allow(resp, vec![]))),
+                Err(e) => {
+                    // Without the Pod there is nothing to decide on; the safety net
+                    // catches it if it was selected.
+                    warn!(namespace, pod = %req.name, error = %e, "could not read the evicted Pod");
+                    let msg = format!("capo: could not read Pod {namespace}/{}: {e}", req.name);
+                    return Ok((Some(kind), "pod_unreadable", allow(resp, vec![msg])));
+                }
+            },
+        };
+        let ns = self.caches.namespace(&namespace).unwrap_or_else(|| {
+            Arc::new(NamespaceFacts {
+                labels: [("kubernetes.io/metadata.name".to_string(), namespace.clone())].into(),
+                terminating: false,
+            })
+        });
+        let ctx = RequestContext {
+            namespace_labels: &ns.labels,
+            namespace_terminating: ns.terminating,
+            by_garbage_collector: req.user_info.username.as_deref() == Some(GARBAGE_COLLECTOR_USER),
+        };
+        let plan = match self.matcher.load().decide(&pod, &ctx) {
+            Decision::Skip(reason) => {
+                self.metrics
+                    .skipped
+                    .with_label_values(&[reason.as_str()])
+                    .inc();
+                debug!(namespace, pod = %pod.name, reason = reason.as_str(), "not holding");
+                return Ok((Some(kind), "skipped", allow(resp, vec![])));
+            }
+            Decision::Hold(plan) => plan,
+        };
+        if req.dry_run {
+            let mut warnings = plan.warnings.clone();
+            warnings.push(format!(
+                "capo: dry run; would hold {} in {}",
+                ips(&pod),
+                plan.policy.reservation_name()
+            ));
+            return Ok((Some(kind), "dry_run", allow(resp, warnings)));
+        }
+        Ok(self.hold(kind, &pod, plan, resp, deadline).await)
+    }
+
+    async fn evicted_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<PodFacts>, kube::Error> {
+        if let Some(p) = self.caches.pod(namespace, name) {
+            return Ok(Some((*p).clone()));
+        }
+        // Not cached: no IP yet when last seen, or created a moment ago.
+        let got = Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get_opt(name)
+            .await;
+        let result = if got.is_ok() { "read" } else { "error" };
+        self.metrics
+            .pod_cache_misses
+            .with_label_values(&[result])
+            .inc();
+        Ok(got?.map(|p| PodFacts::from_pod(&p)))
+    }
+
+    async fn hold(
+        &self,
+        kind: Kind,
+        pod: &PodFacts,
+        plan: HoldPlan,
+        resp: AdmissionResponse,
+        deadline: Instant,
+    ) -> (Option<Kind>, &'static str, AdmissionResponse) {
+        let policy = &plan.policy;
+        let request = HoldRequest {
+            policy: &policy.name,
+            reserve_for: plan.reserve_for,
+            pod,
+            trigger: kind.trigger(),
+        };
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let failure = match tokio::time::timeout(timeout, self.store.hold(&request)).await {
+            Ok(Ok(held)) => {
+                let created = held
+                    .iter()
+                    .filter(|h| h.record != RecordOutcome::Kept)
+                    .count();
+                self.metrics
+                    .holds
+                    .with_label_values(&[&policy.name, kind.as_str()])
+                    .inc_by(created as u64);
+                info!(
+                    namespace = %pod.namespace, pod = %pod.name, policy = %policy.name, ips = %ips(pod),
+                    trigger = kind.as_str(), new = created, "held"
+                );
+                let mut warnings = plan.warnings.clone();
+                warnings.push(format!(
+                    "capo: {} held in IPReservation {} for {} after the Pod is gone",
+                    ips(pod),
+                    policy.reservation_name(),
+                    capo_api::Duration::from_std(plan.reserve_for)
+                ));
+                return (Some(kind), "held", allow(resp, warnings));
+            }
+            Ok(Err(errors)) => describe(&errors),
+            Err(_) => {
+                format!("writing the hold took longer than the {timeout:?} the API server allows")
+            }
+        };
+        let action = match policy.on_hold_failure {
+            HoldFailureAction::Deny => "deny",
+            HoldFailureAction::Allow => "allow",
+        };
+        self.metrics
+            .hold_failures
+            .with_label_values(&[&policy.name, action])
+            .inc();
+        let message = format!(
+            "capo could not hold {} of Pod {}/{} (policy {}): {failure}",
+            ips(pod),
+            pod.namespace,
+            pod.name,
+            policy.name
+        );
+        warn!(namespace = %pod.namespace, pod = %pod.name, policy = %policy.name, error = %failure, action, "hold failed");
+        match policy.on_hold_failure {
+            HoldFailureAction::Deny => {
+                let message = format!(
+                    "{message}; policy onHoldFailure=Deny refuses the request until the hold can be written"
+                );
+                (
+                    Some(kind),
+                    "denied",
+                    deny(resp, kind.deny_code(), "HoldFailed", message),
+                )
+            }
+            HoldFailureAction::Allow => {
+                let message = format!("{message}; allowed by policy onHoldFailure=Allow");
+                (
+                    Some(kind),
+                    "hold_failed_allowed",
+                    allow(resp, vec![message]),
+                )
+            }
+        }
+    }
+}
+
+fn ips(pod: &PodFacts) -> String {
+    pod.ips
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn describe(errors: &[HoldError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}

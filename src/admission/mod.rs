@@ -1,0 +1,12 @@
+//! The validating admission webhook on Pod DELETE and `pods/eviction` CREATE.
+//!
+//! Decides from memory (compiled policies, cached Namespaces and Pods), writes the hold
+//! when a selected Pod goes, and only then answers. Every known condition is answered
+//! with an AdmissionReview; only a malformed request gets an HTTP error (400).
+
+mod deadline;
+mod handler;
+mod respond;
+
+pub use deadline::budget;
+pub use handler::{Admission, AdmissionSettings, GARBAGE_COLLECTOR_USER, router};

@@ -1,0 +1,267 @@
+//! Wires capo together: watches, the policy controller, the webhook server, probes.
+//! `main` and the integration tests start the same [`App`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use axum_server::Handle;
+use capo_api::CalicoApiGroup;
+use kube::Client;
+use tokio::task::JoinHandle;
+use tracing::info;
+
+use crate::admission::{Admission, AdmissionSettings};
+use crate::cache::Caches;
+use crate::certs::{self, CertError};
+use crate::health::{self, Readiness};
+use crate::hold::{HoldStore, detect_calico_api};
+use crate::metrics::Metrics;
+use crate::policy::{Matcher, PolicyController, SharedMatcher};
+use crate::webhook_config::{self, Registration};
+
+/// Where the webhook's serving certificate comes from.
+#[derive(Clone, Debug)]
+pub enum TlsSource {
+    /// `tls.crt`/`tls.key` in a directory (a mounted Secret), reloaded on change.
+    Dir(PathBuf),
+    /// Made at start for these hosts; the CA goes into the self-registered webhook.
+    SelfSigned {
+        hosts: Vec<String>,
+        write_to: Option<PathBuf>,
+    },
+}
+
+/// Self-registration of the webhook configuration (local runs and tests).
+#[derive(Clone, Debug)]
+pub struct SelfRegister {
+    pub name: String,
+    /// Base URL the API server calls; default `https://<webhook address>`.
+    pub url: Option<String>,
+    pub only_namespaces: Option<Vec<String>>,
+    pub timeout_seconds: i32,
+}
+
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub webhook_addr: SocketAddr,
+    pub probe_addr: Option<SocketAddr>,
+    pub tls: TlsSource,
+    pub self_register: Option<SelfRegister>,
+    /// `None`: detect it the way Calico does.
+    pub calico_api: Option<CalicoApiGroup>,
+    pub excluded_namespaces: Vec<String>,
+    pub max_review_time: Duration,
+    pub field_manager: String,
+    /// How long to wait for the caches before giving up at start.
+    pub sync_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Cert(#[from] CertError),
+    #[error("binding {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the webhook server did not start listening on {0}")]
+    NotListening(SocketAddr),
+    #[error("caches did not sync within {after:?} (still waiting for {missing})")]
+    SyncTimeout { after: Duration, missing: String },
+    #[error("a self-signed certificate needs a webhook URL host; use --webhook-url")]
+    NoHost,
+    #[error("writing ValidatingWebhookConfiguration {name}: {source}")]
+    Register { name: String, source: kube::Error },
+}
+
+pub struct App {
+    pub webhook_addr: SocketAddr,
+    pub probe_addr: Option<SocketAddr>,
+    pub calico_api: CalicoApiGroup,
+    pub metrics: Arc<Metrics>,
+    pub readiness: Arc<Readiness>,
+    pub matcher: SharedMatcher,
+    client: Client,
+    registered: Option<String>,
+    server: Handle<SocketAddr>,
+    tasks: Vec<JoinHandle<()>>,
+    _cert_watcher: Option<notify::RecommendedWatcher>,
+}
+
+impl App {
+    /// Starts everything and returns once the caches are synced and the webhook serves
+    /// (and, when self-registering, is registered).
+    pub async fn start(client: Client, settings: Settings) -> Result<App, AppError> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let metrics = Arc::new(Metrics::new());
+        let readiness = Arc::new(Readiness::default());
+        let caches = Arc::new(Caches::default());
+        let matcher: SharedMatcher = Arc::new(ArcSwap::from_pointee(Matcher::default()));
+        let calico_api = match settings.calico_api {
+            Some(api) => api,
+            None => detect_calico_api(&client).await,
+        };
+        let mut tasks = vec![
+            tokio::spawn(
+                PolicyController::new(
+                    client.clone(),
+                    matcher.clone(),
+                    readiness.clone(),
+                    metrics.clone(),
+                    settings.field_manager.clone(),
+                )
+                .run(),
+            ),
+            tokio::spawn(
+                caches
+                    .clone()
+                    .watch_namespaces(client.clone(), readiness.clone()),
+            ),
+            tokio::spawn(caches.clone().watch_pods(client.clone(), readiness.clone())),
+        ];
+
+        let (tls, ca_pem, cert_watcher) = match &settings.tls {
+            TlsSource::Dir(dir) => {
+                let config = certs::load(dir).await?;
+                let watcher = certs::watch(dir.clone(), config.clone())?;
+                (config, None, Some(watcher))
+            }
+            TlsSource::SelfSigned { hosts, write_to } => {
+                let made = certs::self_signed(hosts)?;
+                if let Some(dir) = write_to {
+                    made.write(dir)?;
+                }
+                let config = axum_server::tls_rustls::RustlsConfig::from_pem(
+                    made.cert_pem.clone().into_bytes(),
+                    made.key_pem.clone().into_bytes(),
+                )
+                .await
+                .map_err(|source| CertError::Load {
+                    dir: PathBuf::from("<generated>"),
+                    source,
+                })?;
+                (config, Some(made.ca_pem), None)
+            }
+        };
+
+        let admission = Arc::new(Admission {
+            matcher: matcher.clone(),
+            caches,
+            store: HoldStore::new(client.clone(), calico_api),
+            client: client.clone(),
+            metrics: metrics.clone(),
+            readiness: readiness.clone(),
+            settings: AdmissionSettings {
+                excluded_namespaces: settings.excluded_namespaces.clone(),
+                max_review_time: settings.max_review_time,
+            },
+        });
+        let server = Handle::new();
+        let router = crate::admission::router(admission);
+        let serving = axum_server::bind_rustls(settings.webhook_addr, tls).handle(server.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = serving.serve(router.into_make_service()).await {
+                tracing::error!(error = %e, "the webhook server stopped");
+            }
+        }));
+        let webhook_addr = server
+            .listening()
+            .await
+            .ok_or(AppError::NotListening(settings.webhook_addr))?;
+        info!(addr = %webhook_addr, calico = %calico_api, "webhook serving");
+
+        let probe_addr = match settings.probe_addr {
+            Some(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| AppError::Bind {
+                        what: "the probe server",
+                        addr,
+                        source,
+                    })?;
+                let bound = listener.local_addr().map_err(|source| AppError::Bind {
+                    what: "the probe server",
+                    addr,
+                    source,
+                })?;
+                let router = health::router(readiness.clone(), Some(metrics.clone()));
+                tasks.push(tokio::spawn(async move {
+                    let _ = axum::serve(listener, router).await;
+                }));
+                Some(bound)
+            }
+            None => None,
+        };
+
+        if tokio::time::timeout(settings.sync_timeout, readiness.wait())
+            .await
+            .is_err()
+        {
+            return Err(AppError::SyncTimeout {
+                after: settings.sync_timeout,
+                missing: readiness.missing().join(", "),
+            });
+        }
+        info!("caches synced; ready");
+
+        let mut registered = None;
+        if let (Some(reg), Some(ca_pem)) = (&settings.self_register, ca_pem) {
+            let registration = Registration {
+                name: reg.name.clone(),
+                url: reg
+                    .url
+                    .clone()
+                    .unwrap_or_else(|| format!("https://{webhook_addr}")),
+                ca_pem,
+                excluded_namespaces: settings.excluded_namespaces.clone(),
+                only_namespaces: reg.only_namespaces.clone(),
+                timeout_seconds: reg.timeout_seconds,
+            };
+            webhook_config::apply(&client, &registration)
+                .await
+                .map_err(|source| AppError::Register {
+                    name: reg.name.clone(),
+                    source,
+                })?;
+            info!(name = %reg.name, url = %registration.url, "registered the webhook configuration");
+            registered = Some(reg.name.clone());
+        }
+        Ok(App {
+            webhook_addr,
+            probe_addr,
+            calico_api,
+            metrics,
+            readiness,
+            matcher,
+            client,
+            registered,
+            server,
+            tasks,
+            _cert_watcher: cert_watcher,
+        })
+    }
+
+    /// Removes a self-registered webhook configuration and stops serving.
+    pub async fn shutdown(mut self) {
+        if let Some(name) = self.registered.take()
+            && let Err(e) = webhook_config::delete(&self.client, &name).await
+        {
+            tracing::warn!(name, error = %e, "could not remove the webhook configuration");
+        }
+        self.server.graceful_shutdown(Some(Duration::from_secs(5)));
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        self.server.shutdown();
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Holding an IP: its `/32` or `/128` entry in the policy's capo-owned Calico
+//! `IPReservation`, and its `ReservedIP` record, written concurrently.
+
+mod calico;
+mod detect;
+mod records;
+
+use std::net::IpAddr;
+
+use capo_api::reserved_ip::{PodRef, record_name, single_ip_cidr};
+use capo_api::{HoldTrigger, ReservedIPSpec};
+use futures::future::join_all;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Client;
+
+pub use calico::{CalicoError, Reservations};
+pub use detect::detect_calico_api;
+pub use records::{RecordError, RecordOutcome, Records};
+
+use crate::pod::PodFacts;
+
+/// What to hold, decided by the matcher.
+pub struct HoldRequest<'a> {
+    pub policy: &'a str,
+    pub reserve_for: std::time::Duration,
+    pub pod: &'a PodFacts,
+    pub trigger: HoldTrigger,
+}
+
+/// One IP that is now held.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Held {
+    pub ip: IpAddr,
+    pub reservation: String,
+    pub record: RecordOutcome,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HoldError {
+    #[error("reservation entry {cidr} in IPReservation {reservation}: {source}")]
+    Reservation {
+        cidr: String,
+        reservation: String,
+        source: CalicoError,
+    },
+    #[error("record {record} for {ip}: {source}")]
+    Record {
+        record: String,
+        ip: IpAddr,
+        source: RecordError,
+    },
+}
+
+impl HoldError {
+    /// A short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Reservation { source, .. } => source.kind(),
+            Self::Record { .. } => "record",
+        }
+    }
+}
+
+/// Writes holds for one Calico API group.
+#[derive(Clone)]
+pub struct HoldStore {
+    reservations: Reservations,
+    records: Records,
+}
+
+impl HoldStore {
+    pub fn new(client: Client, calico: capo_api::CalicoApiGroup) -> Self {
+        Self {
+            reservations: Reservations::new(client.clone(), calico),
+            records: Records::new(client),
+        }
+    }
+
+    pub fn calico_api(&self) -> capo_api::CalicoApiGroup {
+        self.reservations.group()
+    }
+
+    /// Holds every IP of the Pod: all reservation entries and records are written
+    /// concurrently; succeeds only when every one of them is in place.
+    pub async fn hold(&self, req: &HoldRequest<'_>) -> Result<Vec<Held>, Vec<HoldError>> {
+        let reservation = capo_api::keys::reservation_name(req.policy);
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let writes = req.pod.ips.iter().map(|&ip| {
+            let reservation = reservation.clone();
+            let spec = ReservedIPSpec {
+                ip: ip.to_string(),
+                cidr: single_ip_cidr(ip),
+                reservation: reservation.clone(),
+                calico_api_group: self.reservations.group().api_version(),
+                policy: req.policy.to_string(),
+                pod: PodRef {
+                    namespace: req.pod.namespace.clone(),
+                    name: req.pod.name.clone(),
+                    uid: req.pod.uid.clone(),
+                    node: req.pod.node.clone(),
+                },
+                trigger: req.trigger,
+                reserved_at: now.clone(),
+                reserve_for: capo_api::Duration::from_std(req.reserve_for).to_string(),
+            };
+            async move {
+                let cidr = spec.cidr.clone();
+                let (entry, record) = tokio::join!(
+                    self.reservations.add(&reservation, req.policy, &cidr),
+                    self.records.record(spec)
+                );
+                let mut errors = Vec::new();
+                if let Err(source) = entry {
+                    errors.push(HoldError::Reservation {
+                        cidr,
+                        reservation: reservation.clone(),
+                        source,
+                    });
+                }
+                match record {
+                    Ok(outcome) if errors.is_empty() => {
+                        return Ok(Held {
+                            ip,
+                            reservation,
+                            record: outcome,
+                        });
+                    }
+                    Ok(_) => {}
+                    Err(source) => errors.push(HoldError::Record {
+                        record: record_name(ip),
+                        ip,
+                        source,
+                    }),
+                }
+                Err(errors)
+            }
+        });
+        let mut held = Vec::new();
+        let mut errors = Vec::new();
+        for result in join_all(writes).await {
+            match result {
+                Ok(h) => held.push(h),
+                Err(e) => errors.extend(e),
+            }
+        }
+        if errors.is_empty() {
+            Ok(held)
+        } else {
+            Err(errors)
+        }
+    }
+}

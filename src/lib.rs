@@ -1,0 +1,17 @@
+//! capo: holds the IPs of deleted or evicted stateful Pods in capo-owned Calico
+//! `IPReservation`s so Calico IPAM cannot hand them to another Pod.
+
+pub mod admission;
+pub mod app;
+pub mod cache;
+pub mod certs;
+pub mod cli;
+pub mod health;
+pub mod hold;
+pub mod metrics;
+pub mod pod;
+pub mod policy;
+pub mod telemetry;
+pub mod webhook_config;
+
+pub use app::{App, Settings};

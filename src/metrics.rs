@@ -1,0 +1,124 @@
+//! Prometheus metrics, per policy where it matters.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    pub registry: Registry,
+    /// Admission reviews answered, by operation (delete, eviction) and outcome.
+    pub admission_requests: IntCounterVec,
+    /// Time to answer an admission review, by operation and outcome.
+    pub admission_duration: HistogramVec,
+    /// IPs written into a reservation, by policy and trigger.
+    pub holds: IntCounterVec,
+    /// Holds that could not be written, by policy and action taken (deny, allow).
+    pub hold_failures: IntCounterVec,
+    /// Requests capo decided not to hold, by reason.
+    pub skipped: IntCounterVec,
+    /// Loaded policies by state (ready, invalid).
+    pub policies: IntGaugeVec,
+    /// Evictions whose Pod was not in the cache and had to be read from the API server.
+    pub pod_cache_misses: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new_custom(Some("capo".into()), None).expect("static prefix");
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let admission_requests = counter(
+            "admission_requests_total",
+            "Admission reviews answered, by operation and outcome.",
+            &["operation", "outcome"],
+        );
+        let holds = counter(
+            "holds_total",
+            "IPs written into a capo-owned reservation.",
+            &["policy", "trigger"],
+        );
+        let hold_failures = counter(
+            "hold_failures_total",
+            "Holds that could not be written, by action taken.",
+            &["policy", "action"],
+        );
+        let skipped = counter(
+            "admission_skipped_total",
+            "Deletions capo did not hold, by reason.",
+            &["reason"],
+        );
+        let pod_cache_misses = counter(
+            "pod_cache_misses_total",
+            "Evictions whose Pod had to be read from the API server.",
+            &["result"],
+        );
+        let admission_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "admission_duration_seconds",
+                "Time to answer an admission review.",
+            )
+            .buckets(vec![
+                0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ]),
+            &["operation", "outcome"],
+        )
+        .expect("static metric");
+        registry
+            .register(Box::new(admission_duration.clone()))
+            .expect("unique metric");
+        let policies = IntGaugeVec::new(
+            Opts::new("policies", "Loaded CapoPolicies by state."),
+            &["state"],
+        )
+        .expect("static metric");
+        registry
+            .register(Box::new(policies.clone()))
+            .expect("unique metric");
+        Self {
+            registry,
+            admission_requests,
+            admission_duration,
+            holds,
+            hold_failures,
+            skipped,
+            policies,
+            pod_cache_misses,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+pub fn router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", get(serve))
+        .with_state(metrics)
+}
+
+async fn serve(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    ([(CONTENT_TYPE, "text/plain; version=0.0.4")], m.render())
+}

@@ -1,0 +1,242 @@
+//! The few facts about a Pod that capo decides on, trimmed from the full object so the
+//! cache grows with the number of Pods, not the size of their specs.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use serde::Deserialize;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodFacts {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub labels: BTreeMap<String, String>,
+    /// Only capo's own annotations (`capo.io/...`) are kept.
+    pub annotations: BTreeMap<String, String>,
+    /// The controller owner reference: (kind, name).
+    pub controller: Option<(String, String)>,
+    pub node: Option<String>,
+    pub host_network: bool,
+    /// Every IP in `status.podIPs` (both families when dual-stack), deduplicated.
+    pub ips: Vec<IpAddr>,
+    pub phase: Option<String>,
+    pub deleting: bool,
+}
+
+/// The wire shape of a Pod, reduced to what [`PodFacts`] needs; unknown fields are skipped
+/// without being allocated.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct PodWire {
+    metadata: MetaWire,
+    spec: SpecWire,
+    status: StatusWire,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct MetaWire {
+    name: String,
+    namespace: String,
+    uid: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+    owner_references: Vec<OwnerWire>,
+    deletion_timestamp: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct OwnerWire {
+    kind: String,
+    name: String,
+    controller: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct SpecWire {
+    node_name: Option<String>,
+    host_network: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", default)]
+struct StatusWire {
+    phase: Option<String>,
+    #[serde(rename = "podIP")]
+    pod_ip: Option<String>,
+    #[serde(rename = "podIPs")]
+    pod_ips: Vec<PodIpWire>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct PodIpWire {
+    ip: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("not a Pod object: {0}")]
+pub struct PodParseError(#[from] serde_json::Error);
+
+impl PodFacts {
+    /// From a Pod's JSON (an admission request's `oldObject`).
+    pub fn from_json(value: &serde_json::Value) -> Result<Self, PodParseError> {
+        let wire = PodWire::deserialize(value)?;
+        Ok(Self::from_wire(wire))
+    }
+
+    /// From a typed Pod (the watch cache).
+    pub fn from_pod(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
+        let meta = &pod.metadata;
+        let spec = pod.spec.as_ref();
+        let status = pod.status.as_ref();
+        let listed = status
+            .and_then(|s| s.pod_ips.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|p| p.ip.as_str());
+        let single = status.and_then(|s| s.pod_ip.as_deref());
+        Self {
+            namespace: meta.namespace.clone().unwrap_or_default(),
+            name: meta.name.clone().unwrap_or_default(),
+            uid: meta.uid.clone().unwrap_or_default(),
+            labels: meta.labels.clone().unwrap_or_default(),
+            annotations: capo_annotations(
+                meta.annotations
+                    .iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.clone())),
+            ),
+            controller: meta
+                .owner_references
+                .iter()
+                .flatten()
+                .find(|o| o.controller == Some(true))
+                .map(|o| (o.kind.clone(), o.name.clone())),
+            node: spec
+                .and_then(|s| s.node_name.clone())
+                .filter(|n| !n.is_empty()),
+            host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+            ips: parse_ips(listed.chain(single)),
+            phase: status.and_then(|s| s.phase.clone()),
+            deleting: meta.deletion_timestamp.is_some(),
+        }
+    }
+
+    fn from_wire(w: PodWire) -> Self {
+        let listed = w.status.pod_ips.iter().map(|p| p.ip.as_str());
+        let ips = parse_ips(listed.chain(w.status.pod_ip.as_deref()));
+        let controller = w
+            .metadata
+            .owner_references
+            .into_iter()
+            .find(|o| o.controller == Some(true))
+            .map(|o| (o.kind, o.name));
+        Self {
+            namespace: w.metadata.namespace,
+            name: w.metadata.name,
+            uid: w.metadata.uid,
+            labels: w.metadata.labels,
+            annotations: capo_annotations(w.metadata.annotations),
+            controller,
+            node: w.spec.node_name.filter(|n| !n.is_empty()),
+            host_network: w.spec.host_network.unwrap_or(false),
+            ips,
+            phase: w.status.phase,
+            deleting: w.metadata.deletion_timestamp.is_some(),
+        }
+    }
+
+    pub fn key(&self) -> (String, String) {
+        (self.namespace.clone(), self.name.clone())
+    }
+}
+
+/// Every parseable IP once, in order (`status.podIPs` lists `status.podIP` again).
+fn parse_ips<'a>(raw: impl Iterator<Item = &'a str>) -> Vec<IpAddr> {
+    let mut ips = Vec::new();
+    for ip in raw.filter_map(|r| r.parse::<IpAddr>().ok()) {
+        if !ips.contains(&ip) {
+            ips.push(ip);
+        }
+    }
+    ips
+}
+
+fn capo_annotations(all: impl IntoIterator<Item = (String, String)>) -> BTreeMap<String, String> {
+    all.into_iter()
+        .filter(|(k, _)| k.starts_with(capo_api::keys::CAPO_PREFIX))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn keeps_every_ip_of_a_dual_stack_pod_once() {
+        let pod = PodFacts::from_json(&json!({
+            "metadata": {"name": "r-0", "namespace": "ns", "uid": "u1",
+                "annotations": {"capo.io/hold": "true", "other.io/x": "y"},
+                "ownerReferences": [
+                    {"kind": "Other", "name": "o", "apiVersion": "v1", "uid": "1"},
+                    {"kind": "StatefulSet", "name": "r", "controller": true, "apiVersion": "apps/v1", "uid": "2"}]},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "i"}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+                "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
+        }))
+        .unwrap();
+        assert_eq!(
+            pod.ips,
+            vec![
+                "10.0.0.1".parse::<IpAddr>().unwrap(),
+                "fd00::1".parse().unwrap()
+            ]
+        );
+        assert_eq!(pod.controller, Some(("StatefulSet".into(), "r".into())));
+        assert_eq!(
+            pod.annotations.len(),
+            1,
+            "only capo.io annotations are kept"
+        );
+        assert_eq!(pod.node.as_deref(), Some("n1"));
+        assert!(!pod.host_network && !pod.deleting);
+    }
+
+    #[test]
+    fn a_pod_without_status_has_no_ips() {
+        let pod =
+            PodFacts::from_json(&json!({"metadata": {"name": "p", "namespace": "n"}})).unwrap();
+        assert!(pod.ips.is_empty());
+        assert!(PodFacts::from_json(&json!("not an object")).is_err());
+    }
+
+    #[test]
+    fn typed_and_json_pods_give_the_same_facts() {
+        let value = json!({
+            "metadata": {"name": "r-0", "namespace": "ns", "uid": "u1", "labels": {"a": "b"},
+                "annotations": {"capo.io/hold": "true"},
+                "ownerReferences": [{"kind": "StatefulSet", "name": "r", "controller": true, "apiVersion": "apps/v1", "uid": "2"}]},
+            "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "i"}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
+        });
+        let typed: k8s_openapi::api::core::v1::Pod = serde_json::from_value(value.clone()).unwrap();
+        assert_eq!(
+            PodFacts::from_pod(&typed),
+            PodFacts::from_json(&value).unwrap()
+        );
+    }
+
+    #[test]
+    fn malformed_ips_are_ignored() {
+        let pod = PodFacts::from_json(
+            &json!({"status": {"podIPs": [{"ip": "nope"}, {"ip": "10.0.0.2"}]}}),
+        )
+        .unwrap();
+        assert_eq!(pod.ips, vec!["10.0.0.2".parse::<IpAddr>().unwrap()]);
+    }
+}

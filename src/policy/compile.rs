@@ -1,0 +1,240 @@
+//! One `CapoPolicy` checked and turned into the form the matcher evaluates.
+
+use std::time::Duration;
+
+use capo_api::policy::{CapoPolicySpec, SkipRules, WorkloadRef};
+use capo_api::selector::SelectorError;
+use capo_api::{CapoPolicy, DurationError, HoldFailureAction, LabelSelector};
+use kube::ResourceExt;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompiledPolicy {
+    pub name: String,
+    pub generation: Option<i64>,
+    pub namespace_selector: Option<LabelSelector>,
+    pub pod_selector: Option<LabelSelector>,
+    pub workloads: Option<Vec<WorkloadRef>>,
+    pub reserve_for: Duration,
+    pub max_reserved: u32,
+    pub release_interval: Duration,
+    pub priority: i32,
+    pub on_hold_failure: HoldFailureAction,
+    pub skip: SkipRules,
+    pub allow_opt_in: bool,
+    /// Bounds of a Pod's `capo.io/reserve-for`; `None` when the policy allows no override.
+    pub reserve_for_bounds: Option<(Duration, Duration)>,
+}
+
+/// Why a policy cannot be used; shown as the reason of its `Ready=False` condition.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("spec.{field}: {source}")]
+    Duration {
+        field: &'static str,
+        source: DurationError,
+    },
+    #[error("spec.{field}.{source}")]
+    Selector {
+        field: &'static str,
+        source: SelectorError,
+    },
+    #[error("spec.{field} must be at least {min}")]
+    TooShort {
+        field: &'static str,
+        min: &'static str,
+    },
+    #[error("spec.maxReserved must be at least 1")]
+    ZeroMaxReserved,
+    #[error("spec.podOverrides.minReserveFor ({min}) exceeds maxReserveFor ({max})")]
+    InvertedBounds { min: String, max: String },
+    #[error("a policy must select something: set namespaceSelector, podSelector or workloads")]
+    SelectsNothing,
+    #[error(
+        "the policy name {0:?} is too long for its IPReservation name capo-<name> (253 characters at most)"
+    )]
+    NameTooLong(String),
+}
+
+impl PolicyError {
+    /// The condition reason (CamelCase, as Kubernetes conventions ask).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Duration { .. } => "InvalidDuration",
+            Self::Selector { .. } => "InvalidSelector",
+            Self::TooShort { .. } => "InvalidDuration",
+            Self::ZeroMaxReserved => "InvalidMaxReserved",
+            Self::InvertedBounds { .. } => "InvalidOverrideBounds",
+            Self::SelectsNothing => "SelectsNothing",
+            Self::NameTooLong(_) => "NameTooLong",
+        }
+    }
+}
+
+fn duration(field: &'static str, raw: &str) -> Result<Duration, PolicyError> {
+    raw.parse::<capo_api::Duration>()
+        .map(|d| d.as_std())
+        .map_err(|source| PolicyError::Duration { field, source })
+}
+
+fn selector(field: &'static str, sel: &Option<LabelSelector>) -> Result<(), PolicyError> {
+    match sel {
+        Some(s) => s
+            .validate()
+            .map_err(|source| PolicyError::Selector { field, source }),
+        None => Ok(()),
+    }
+}
+
+impl CompiledPolicy {
+    /// Checks everything the CRD schema checks, for a policy that slipped past it.
+    pub fn compile(policy: &CapoPolicy) -> Result<Self, PolicyError> {
+        let name = policy.name_any();
+        let spec: &CapoPolicySpec = &policy.spec;
+        if capo_api::keys::reservation_name(&name).len() > 253 {
+            return Err(PolicyError::NameTooLong(name));
+        }
+        if spec.namespace_selector.is_none()
+            && spec.pod_selector.is_none()
+            && spec.workloads.is_none()
+        {
+            return Err(PolicyError::SelectsNothing);
+        }
+        selector("namespaceSelector", &spec.namespace_selector)?;
+        selector("podSelector", &spec.pod_selector)?;
+        let reserve_for = duration("reserveFor", &spec.reserve_for)?;
+        if reserve_for < Duration::from_secs(1) {
+            return Err(PolicyError::TooShort {
+                field: "reserveFor",
+                min: "1s",
+            });
+        }
+        let release_interval = duration("releaseInterval", &spec.release_interval)?;
+        if spec.max_reserved == 0 {
+            return Err(PolicyError::ZeroMaxReserved);
+        }
+        let o = &spec.pod_overrides;
+        let min = o
+            .min_reserve_for
+            .as_deref()
+            .map(|m| duration("podOverrides.minReserveFor", m))
+            .transpose()?;
+        let max = o
+            .max_reserve_for
+            .as_deref()
+            .map(|m| duration("podOverrides.maxReserveFor", m))
+            .transpose()?;
+        let reserve_for_bounds = match (min, max) {
+            (None, None) => None,
+            (min, max) => {
+                let (min, max) = (
+                    min.unwrap_or(Duration::from_secs(1)),
+                    max.unwrap_or(Duration::MAX),
+                );
+                if min > max {
+                    return Err(PolicyError::InvertedBounds {
+                        min: o.min_reserve_for.clone().unwrap_or_default(),
+                        max: o.max_reserve_for.clone().unwrap_or_default(),
+                    });
+                }
+                Some((min, max))
+            }
+        };
+        Ok(Self {
+            name,
+            generation: policy.metadata.generation,
+            namespace_selector: spec.namespace_selector.clone(),
+            pod_selector: spec.pod_selector.clone(),
+            workloads: spec.workloads.clone(),
+            reserve_for,
+            max_reserved: spec.max_reserved,
+            release_interval,
+            priority: spec.priority,
+            on_hold_failure: spec.on_hold_failure,
+            skip: spec.skip.clone(),
+            allow_opt_in: o.allow_opt_in,
+            reserve_for_bounds,
+        })
+    }
+
+    pub fn reservation_name(&self) -> String {
+        capo_api::keys::reservation_name(&self.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    pub(crate) fn policy(name: &str, spec: serde_json::Value) -> CapoPolicy {
+        serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+            "metadata": {"name": name, "generation": 3},
+            "spec": spec,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn defaults_compile_to_the_original_settings() {
+        let c = CompiledPolicy::compile(&policy("p", json!({"podSelector": {}}))).unwrap();
+        assert_eq!(c.reserve_for, Duration::from_secs(40 * 60));
+        assert_eq!(c.max_reserved, 300);
+        assert_eq!(c.release_interval, Duration::from_secs(5));
+        assert_eq!(c.on_hold_failure, HoldFailureAction::Deny);
+        assert!(c.allow_opt_in && c.skip.namespace_terminating && c.skip.owner_deleted);
+        assert_eq!(c.reserve_for_bounds, None);
+        assert_eq!(c.generation, Some(3));
+        assert_eq!(c.reservation_name(), "capo-p");
+    }
+
+    #[test]
+    fn invalid_policies_say_what_is_wrong() {
+        let cases = [
+            (
+                json!({"podSelector": {}, "reserveFor": "forever"}),
+                "InvalidDuration",
+                "spec.reserveFor",
+            ),
+            (
+                json!({"podSelector": {}, "reserveFor": "0s"}),
+                "InvalidDuration",
+                "at least 1s",
+            ),
+            (json!({}), "SelectsNothing", "must select something"),
+            (
+                json!({"podSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}),
+                "InvalidSelector",
+                "spec.podSelector.matchExpressions[0]",
+            ),
+            (
+                json!({"podSelector": {}, "podOverrides": {"minReserveFor": "2h", "maxReserveFor": "1h"}}),
+                "InvalidOverrideBounds",
+                "exceeds",
+            ),
+            (
+                json!({"podSelector": {}, "maxReserved": 0}),
+                "InvalidMaxReserved",
+                "maxReserved",
+            ),
+        ];
+        for (spec, reason, text) in cases {
+            let err = CompiledPolicy::compile(&policy("p", spec.clone())).unwrap_err();
+            assert_eq!(err.reason(), reason, "{spec}");
+            assert!(err.to_string().contains(text), "{spec}: {err}");
+        }
+    }
+
+    #[test]
+    fn override_bounds_fill_in_an_open_end() {
+        let c = CompiledPolicy::compile(&policy(
+            "p",
+            json!({"podSelector": {}, "podOverrides": {"maxReserveFor": "2h"}}),
+        ))
+        .unwrap();
+        assert_eq!(
+            c.reserve_for_bounds,
+            Some((Duration::from_secs(1), Duration::from_secs(7200)))
+        );
+    }
+}

@@ -1,0 +1,459 @@
+//! Which policy, if any, holds a Pod's IPs: evaluated in memory on the admission path.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use capo_api::keys::{HOLD_ANNOTATION, POLICY_ANNOTATION, RESERVE_FOR_ANNOTATION};
+use capo_api::policy::{WorkloadKind, WorkloadRef};
+
+use super::CompiledPolicy;
+use crate::pod::PodFacts;
+
+/// The usable policies, highest priority first (ties: name ascending).
+#[derive(Clone, Debug, Default)]
+pub struct Matcher {
+    policies: Vec<Arc<CompiledPolicy>>,
+}
+
+/// What the matcher needs to know besides the Pod.
+pub struct RequestContext<'a> {
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    pub namespace_terminating: bool,
+    /// The request comes from the garbage collector: the Pod's owner was deleted.
+    pub by_garbage_collector: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    Skip(SkipReason),
+    Hold(HoldPlan),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct HoldPlan {
+    pub policy: Arc<CompiledPolicy>,
+    pub reserve_for: Duration,
+    /// Shown to the client (e.g. an override outside the policy's bounds).
+    pub warnings: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SkipReason {
+    NoIps,
+    HostNetwork,
+    OptedOut,
+    NotSelected,
+    NamespaceTerminating { policy: String },
+    OwnerDeleted { policy: String },
+}
+
+impl SkipReason {
+    /// A short label for metrics and logs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::NoIps => "no_ips",
+            Self::HostNetwork => "host_network",
+            Self::OptedOut => "opted_out",
+            Self::NotSelected => "not_selected",
+            Self::NamespaceTerminating { .. } => "namespace_terminating",
+            Self::OwnerDeleted { .. } => "owner_deleted",
+        }
+    }
+}
+
+impl Matcher {
+    pub fn new(policies: impl IntoIterator<Item = CompiledPolicy>) -> Self {
+        let mut policies: Vec<Arc<CompiledPolicy>> = policies.into_iter().map(Arc::new).collect();
+        policies.sort_by(|a, b| {
+            b.priority
+                .cmp(&a.priority)
+                .then_with(|| a.name.cmp(&b.name))
+        });
+        Self { policies }
+    }
+
+    pub fn policies(&self) -> &[Arc<CompiledPolicy>] {
+        &self.policies
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Arc<CompiledPolicy>> {
+        self.policies.iter().find(|p| p.name == name)
+    }
+
+    pub fn decide(&self, pod: &PodFacts, ctx: &RequestContext<'_>) -> Decision {
+        if pod.ips.is_empty() {
+            return Decision::Skip(SkipReason::NoIps);
+        }
+        if pod.host_network {
+            return Decision::Skip(SkipReason::HostNetwork);
+        }
+        let hold = pod.annotations.get(HOLD_ANNOTATION).map(String::as_str);
+        if hold == Some("false") {
+            return Decision::Skip(SkipReason::OptedOut);
+        }
+        let mut warnings = Vec::new();
+        let Some(policy) = self.choose(pod, ctx, hold == Some("true"), &mut warnings) else {
+            return Decision::Skip(SkipReason::NotSelected);
+        };
+        if policy.skip.namespace_terminating && ctx.namespace_terminating {
+            return Decision::Skip(SkipReason::NamespaceTerminating {
+                policy: policy.name.clone(),
+            });
+        }
+        if policy.skip.owner_deleted && ctx.by_garbage_collector {
+            return Decision::Skip(SkipReason::OwnerDeleted {
+                policy: policy.name.clone(),
+            });
+        }
+        let reserve_for = reserve_for(pod, policy, &mut warnings);
+        Decision::Hold(HoldPlan {
+            policy: policy.clone(),
+            reserve_for,
+            warnings,
+        })
+    }
+
+    fn choose(
+        &self,
+        pod: &PodFacts,
+        ctx: &RequestContext<'_>,
+        opt_in: bool,
+        warnings: &mut Vec<String>,
+    ) -> Option<&Arc<CompiledPolicy>> {
+        let ns_ok = |p: &CompiledPolicy| {
+            p.namespace_selector
+                .as_ref()
+                .is_none_or(|s| s.matches(ctx.namespace_labels))
+        };
+        if let Some(name) = pod.annotations.get(POLICY_ANNOTATION) {
+            match self.get(name) {
+                Some(p) if p.allow_opt_in && ns_ok(p) => return Some(p),
+                Some(p) if !p.allow_opt_in => warnings.push(format!(
+                    "capo: policy {name} does not allow opt-in by annotation"
+                )),
+                Some(_) => warnings.push(format!(
+                    "capo: policy {name} does not cover namespace {}",
+                    pod.namespace
+                )),
+                None => warnings.push(format!(
+                    "capo: policy {name} named by {POLICY_ANNOTATION} is not loaded"
+                )),
+            }
+        } else if opt_in && let Some(p) = self.policies.iter().find(|p| p.allow_opt_in && ns_ok(p))
+        {
+            return Some(p);
+        }
+        self.policies.iter().find(|p| {
+            ns_ok(p)
+                && p.pod_selector
+                    .as_ref()
+                    .is_none_or(|s| s.matches(&pod.labels))
+                && p.workloads
+                    .as_ref()
+                    .is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))
+        })
+    }
+}
+
+/// Whether `pod`'s controller is the workload `w` (a Deployment through its ReplicaSet,
+/// whose name is the Deployment's plus the Pod's `pod-template-hash`).
+fn controlled_by(pod: &PodFacts, w: &WorkloadRef) -> bool {
+    let Some((kind, name)) = &pod.controller else {
+        return false;
+    };
+    if w.namespace != pod.namespace {
+        return false;
+    }
+    match w.kind {
+        WorkloadKind::StatefulSet => kind == "StatefulSet" && *name == w.name,
+        WorkloadKind::ReplicaSet => kind == "ReplicaSet" && *name == w.name,
+        WorkloadKind::DaemonSet => kind == "DaemonSet" && *name == w.name,
+        WorkloadKind::Deployment => {
+            kind == "ReplicaSet"
+                && pod
+                    .labels
+                    .get("pod-template-hash")
+                    .is_some_and(|hash| *name == format!("{}-{hash}", w.name))
+        }
+    }
+}
+
+fn reserve_for(pod: &PodFacts, policy: &CompiledPolicy, warnings: &mut Vec<String>) -> Duration {
+    let Some(raw) = pod.annotations.get(RESERVE_FOR_ANNOTATION) else {
+        return policy.reserve_for;
+    };
+    let Some((min, max)) = policy.reserve_for_bounds else {
+        warnings.push(format!(
+            "capo: {RESERVE_FOR_ANNOTATION} ignored: policy {} allows no override; holding for {}",
+            policy.name,
+            capo_api::Duration::from_std(policy.reserve_for)
+        ));
+        return policy.reserve_for;
+    };
+    match raw.parse::<capo_api::Duration>() {
+        Ok(asked) => {
+            let clamped = asked.as_std().clamp(min, max);
+            if clamped != asked.as_std() {
+                warnings.push(format!(
+                    "capo: {RESERVE_FOR_ANNOTATION}={raw} is outside policy {}'s bounds; holding for {}",
+                    policy.name,
+                    capo_api::Duration::from_std(clamped)
+                ));
+            }
+            clamped
+        }
+        Err(e) => {
+            warnings.push(format!("capo: {RESERVE_FOR_ANNOTATION} ignored: {e}"));
+            policy.reserve_for
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capo_api::CapoPolicy;
+    use serde_json::json;
+
+    fn compiled(name: &str, spec: serde_json::Value) -> CompiledPolicy {
+        let p: CapoPolicy = serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": {"name": name}, "spec": spec,
+        }))
+        .unwrap();
+        CompiledPolicy::compile(&p).unwrap()
+    }
+
+    fn pod(labels: serde_json::Value, annotations: serde_json::Value) -> PodFacts {
+        PodFacts::from_json(&json!({
+            "metadata": {"name": "web-0", "namespace": "shop", "uid": "u", "labels": labels, "annotations": annotations,
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "uid": "o", "controller": true}]},
+            "spec": {"nodeName": "n"},
+            "status": {"podIPs": [{"ip": "10.0.0.9"}]}
+        }))
+        .unwrap()
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn ctx(ns: &BTreeMap<String, String>) -> RequestContext<'_> {
+        RequestContext {
+            namespace_labels: ns,
+            namespace_terminating: false,
+            by_garbage_collector: false,
+        }
+    }
+
+    fn held_by(d: &Decision) -> Option<&str> {
+        match d {
+            Decision::Hold(p) => Some(&p.policy.name),
+            Decision::Skip(_) => None,
+        }
+    }
+
+    #[test]
+    fn namespace_and_pod_selectors_must_both_match() {
+        let m = Matcher::new([compiled(
+            "redis",
+            json!({"namespaceSelector": {"matchLabels": {"ip-reserve": "enabled"}}, "podSelector": {"matchLabels": {"app": "redis"}}}),
+        )]);
+        let enabled = labels(&[("ip-reserve", "enabled")]);
+        let plain = labels(&[]);
+        assert_eq!(
+            held_by(&m.decide(&pod(json!({"app": "redis"}), json!({})), &ctx(&enabled))),
+            Some("redis")
+        );
+        assert_eq!(
+            m.decide(&pod(json!({"app": "redis"}), json!({})), &ctx(&plain)),
+            Decision::Skip(SkipReason::NotSelected)
+        );
+        assert_eq!(
+            m.decide(&pod(json!({"app": "web"}), json!({})), &ctx(&enabled)),
+            Decision::Skip(SkipReason::NotSelected)
+        );
+    }
+
+    #[test]
+    fn highest_priority_wins_then_name() {
+        let m = Matcher::new([
+            compiled("b-low", json!({"podSelector": {}, "priority": 1})),
+            compiled("z-high", json!({"podSelector": {}, "priority": 10})),
+            compiled("a-low", json!({"podSelector": {}, "priority": 1})),
+        ]);
+        let ns = labels(&[]);
+        assert_eq!(
+            held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))),
+            Some("z-high")
+        );
+        let m = Matcher::new([
+            compiled("b", json!({"podSelector": {}})),
+            compiled("a", json!({"podSelector": {}})),
+        ]);
+        assert_eq!(
+            held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))),
+            Some("a")
+        );
+    }
+
+    #[test]
+    fn annotations_opt_in_opt_out_and_name_a_policy() {
+        let m = Matcher::new([
+            compiled(
+                "strict",
+                json!({"podSelector": {"matchLabels": {"never": "x"}}, "podOverrides": {"allowOptIn": false}}),
+            ),
+            compiled(
+                "open",
+                json!({"podSelector": {"matchLabels": {"never": "x"}}}),
+            ),
+        ]);
+        let ns = labels(&[]);
+        assert_eq!(
+            held_by(&m.decide(
+                &pod(json!({}), json!({"capo.io/policy": "open"})),
+                &ctx(&ns)
+            )),
+            Some("open")
+        );
+        assert_eq!(
+            held_by(&m.decide(&pod(json!({}), json!({"capo.io/hold": "true"})), &ctx(&ns))),
+            Some("open")
+        );
+        assert_eq!(
+            m.decide(&pod(json!({}), json!({})), &ctx(&ns)),
+            Decision::Skip(SkipReason::NotSelected)
+        );
+        // A policy that refuses opt-in is not chosen by naming it.
+        assert_eq!(
+            m.decide(
+                &pod(json!({}), json!({"capo.io/policy": "strict"})),
+                &ctx(&ns)
+            ),
+            Decision::Skip(SkipReason::NotSelected)
+        );
+        let m = Matcher::new([compiled("all", json!({"podSelector": {}}))]);
+        assert_eq!(
+            m.decide(&pod(json!({}), json!({"capo.io/hold": "false"})), &ctx(&ns)),
+            Decision::Skip(SkipReason::OptedOut)
+        );
+    }
+
+    #[test]
+    fn reserve_for_override_is_clamped_to_bounds() {
+        let m = Matcher::new([compiled(
+            "p",
+            json!({"podSelector": {}, "reserveFor": "40m", "podOverrides": {"minReserveFor": "10m", "maxReserveFor": "2h"}}),
+        )]);
+        let ns = labels(&[]);
+        let plan = |ann| match m.decide(&pod(json!({}), ann), &ctx(&ns)) {
+            Decision::Hold(p) => p,
+            d => panic!("{d:?}"),
+        };
+        let p = plan(json!({"capo.io/reserve-for": "1h"}));
+        assert_eq!(
+            (p.reserve_for, p.warnings.len()),
+            (Duration::from_secs(3600), 0)
+        );
+        let p = plan(json!({"capo.io/reserve-for": "24h"}));
+        assert_eq!(p.reserve_for, Duration::from_secs(7200));
+        assert!(p.warnings[0].contains("outside"), "{:?}", p.warnings);
+        let p = plan(json!({"capo.io/reserve-for": "soon"}));
+        assert_eq!(p.reserve_for, Duration::from_secs(2400));
+        assert!(p.warnings[0].contains("ignored"));
+        let m = Matcher::new([compiled("fixed", json!({"podSelector": {}}))]);
+        match m.decide(
+            &pod(json!({}), json!({"capo.io/reserve-for": "1h"})),
+            &ctx(&ns),
+        ) {
+            Decision::Hold(p) => assert!(
+                p.reserve_for == Duration::from_secs(2400)
+                    && p.warnings[0].contains("allows no override")
+            ),
+            d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn workloads_match_through_the_controller_reference() {
+        let m = Matcher::new([compiled(
+            "sts",
+            json!({"workloads": [{"kind": "StatefulSet", "namespace": "shop", "name": "web"}]}),
+        )]);
+        let ns = labels(&[]);
+        assert_eq!(
+            held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))),
+            Some("sts")
+        );
+        let m = Matcher::new([compiled(
+            "other",
+            json!({"workloads": [{"kind": "StatefulSet", "namespace": "shop", "name": "db"}]}),
+        )]);
+        assert_eq!(
+            m.decide(&pod(json!({}), json!({})), &ctx(&ns)),
+            Decision::Skip(SkipReason::NotSelected)
+        );
+
+        let deploy_pod = PodFacts::from_json(&json!({
+            "metadata": {"name": "api-7d9-x", "namespace": "shop", "labels": {"pod-template-hash": "7d9"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "api-7d9", "uid": "o", "controller": true}]},
+            "status": {"podIP": "10.0.0.3"}
+        }))
+        .unwrap();
+        let m = Matcher::new([compiled(
+            "dep",
+            json!({"workloads": [{"kind": "Deployment", "namespace": "shop", "name": "api"}]}),
+        )]);
+        assert_eq!(held_by(&m.decide(&deploy_pod, &ctx(&ns))), Some("dep"));
+    }
+
+    #[test]
+    fn skip_rules_and_unholdable_pods() {
+        let m = Matcher::new([compiled("p", json!({"podSelector": {}}))]);
+        let ns = labels(&[]);
+        let terminating = RequestContext {
+            namespace_labels: &ns,
+            namespace_terminating: true,
+            by_garbage_collector: false,
+        };
+        assert!(matches!(
+            m.decide(&pod(json!({}), json!({})), &terminating),
+            Decision::Skip(SkipReason::NamespaceTerminating { .. })
+        ));
+        let gc = RequestContext {
+            namespace_labels: &ns,
+            namespace_terminating: false,
+            by_garbage_collector: true,
+        };
+        assert!(matches!(
+            m.decide(&pod(json!({}), json!({})), &gc),
+            Decision::Skip(SkipReason::OwnerDeleted { .. })
+        ));
+        let m2 = Matcher::new([compiled(
+            "keep",
+            json!({"podSelector": {}, "skip": {"ownerDeleted": false}}),
+        )]);
+        assert_eq!(
+            held_by(&m2.decide(&pod(json!({}), json!({})), &gc)),
+            Some("keep")
+        );
+
+        let no_ip = PodFacts::from_json(&json!({"metadata": {"name": "x"}})).unwrap();
+        assert_eq!(
+            m.decide(&no_ip, &ctx(&ns)),
+            Decision::Skip(SkipReason::NoIps)
+        );
+        let host = PodFacts::from_json(
+            &json!({"spec": {"hostNetwork": true}, "status": {"podIP": "10.1.1.1"}}),
+        )
+        .unwrap();
+        assert_eq!(
+            m.decide(&host, &ctx(&ns)),
+            Decision::Skip(SkipReason::HostNetwork)
+        );
+    }
+}

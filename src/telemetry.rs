@@ -1,0 +1,14 @@
+//! Logging: `tracing` with structured fields, as text or JSON, filtered by `RUST_LOG`.
+
+use tracing_subscriber::EnvFilter;
+
+pub fn init(format: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = if format == "json" {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
