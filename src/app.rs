@@ -28,10 +28,7 @@ pub enum TlsSource {
     /// `tls.crt`/`tls.key` in a directory (a mounted Secret), reloaded on change.
     Dir(PathBuf),
     /// Made at start for these hosts; the CA goes into the self-registered webhook.
-    SelfSigned {
-        hosts: Vec<String>,
-        write_to: Option<PathBuf>,
-    },
+    SelfSigned { hosts: Vec<String>, write_to: Option<PathBuf> },
 }
 
 /// Self-registration of the webhook configuration (local runs and tests).
@@ -64,11 +61,7 @@ pub enum AppError {
     #[error(transparent)]
     Cert(#[from] CertError),
     #[error("binding {what} on {addr}: {source}")]
-    Bind {
-        what: &'static str,
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
     #[error("the webhook server did not start listening on {0}")]
     NotListening(SocketAddr),
     #[error("caches did not sync within {after:?} (still waiting for {missing})")]
@@ -117,11 +110,7 @@ impl App {
                 )
                 .run(),
             ),
-            tokio::spawn(
-                caches
-                    .clone()
-                    .watch_namespaces(client.clone(), readiness.clone()),
-            ),
+            tokio::spawn(caches.clone().watch_namespaces(client.clone(), readiness.clone())),
             tokio::spawn(caches.clone().watch_pods(client.clone(), readiness.clone())),
         ];
 
@@ -141,10 +130,7 @@ impl App {
                     made.key_pem.clone().into_bytes(),
                 )
                 .await
-                .map_err(|source| CertError::Load {
-                    dir: PathBuf::from("<generated>"),
-                    source,
-                })?;
+                .map_err(|source| CertError::Load { dir: PathBuf::from("<generated>"), source })?;
                 (config, Some(made.ca_pem), None)
             }
         };
@@ -169,21 +155,16 @@ impl App {
                 tracing::error!(error = %e, "the webhook server stopped");
             }
         }));
-        let webhook_addr = server
-            .listening()
-            .await
-            .ok_or(AppError::NotListening(settings.webhook_addr))?;
+        let webhook_addr = server.listening().await.ok_or(AppError::NotListening(settings.webhook_addr))?;
         info!(addr = %webhook_addr, calico = %calico_api, "webhook serving");
 
         let probe_addr = match settings.probe_addr {
             Some(addr) => {
-                let listener = tokio::net::TcpListener::bind(addr)
-                    .await
-                    .map_err(|source| AppError::Bind {
-                        what: "the probe server",
-                        addr,
-                        source,
-                    })?;
+                let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| AppError::Bind {
+                    what: "the probe server",
+                    addr,
+                    source,
+                })?;
                 let bound = listener.local_addr().map_err(|source| AppError::Bind {
                     what: "the probe server",
                     addr,
@@ -198,10 +179,7 @@ impl App {
             None => None,
         };
 
-        if tokio::time::timeout(settings.sync_timeout, readiness.wait())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(settings.sync_timeout, readiness.wait()).await.is_err() {
             return Err(AppError::SyncTimeout {
                 after: settings.sync_timeout,
                 missing: readiness.missing().join(", "),
@@ -213,10 +191,7 @@ impl App {
         if let (Some(reg), Some(ca_pem)) = (&settings.self_register, ca_pem) {
             let registration = Registration {
                 name: reg.name.clone(),
-                url: reg
-                    .url
-                    .clone()
-                    .unwrap_or_else(|| format!("https://{webhook_addr}")),
+                url: reg.url.clone().unwrap_or_else(|| format!("https://{webhook_addr}")),
                 ca_pem,
                 excluded_namespaces: settings.excluded_namespaces.clone(),
                 only_namespaces: reg.only_namespaces.clone(),
@@ -224,10 +199,7 @@ impl App {
             };
             webhook_config::apply(&client, &registration)
                 .await
-                .map_err(|source| AppError::Register {
-                    name: reg.name.clone(),
-                    source,
-                })?;
+                .map_err(|source| AppError::Register { name: reg.name.clone(), source })?;
             info!(name = %reg.name, url = %registration.url, "registered the webhook configuration");
             registered = Some(reg.name.clone());
         }

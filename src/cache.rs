@@ -34,11 +34,7 @@ pub struct Caches {
 
 impl Caches {
     pub fn namespace(&self, name: &str) -> Option<Arc<NamespaceFacts>> {
-        self.namespaces
-            .read()
-            .expect("namespace cache lock")
-            .get(name)
-            .cloned()
+        self.namespaces.read().expect("namespace cache lock").get(name).cloned()
     }
 
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Arc<PodFacts>> {
@@ -52,20 +48,13 @@ impl Caches {
 
     pub async fn watch_namespaces(self: Arc<Self>, client: Client, readiness: Arc<Readiness>) {
         let api = Api::<PartialObjectMeta<Namespace>>::all(client);
-        let mut events = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .boxed();
+        let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut listing = HashMap::new();
         let facts = |ns: &PartialObjectMeta<Namespace>| {
             let mut labels = ns.labels().clone();
             // Always present on a real server; make it so for a cache entry too.
-            labels
-                .entry("kubernetes.io/metadata.name".into())
-                .or_insert_with(|| ns.name_any());
-            Arc::new(NamespaceFacts {
-                labels,
-                terminating: ns.metadata.deletion_timestamp.is_some(),
-            })
+            labels.entry("kubernetes.io/metadata.name".into()).or_insert_with(|| ns.name_any());
+            Arc::new(NamespaceFacts { labels, terminating: ns.metadata.deletion_timestamp.is_some() })
         };
         while let Some(event) = events.next().await {
             match event {
@@ -74,21 +63,14 @@ impl Caches {
                     listing.insert(ns.name_any(), facts(&ns));
                 }
                 Ok(watcher::Event::InitDone) => {
-                    *self.namespaces.write().expect("namespace cache lock") =
-                        std::mem::take(&mut listing);
+                    *self.namespaces.write().expect("namespace cache lock") = std::mem::take(&mut listing);
                     readiness.set_namespaces_synced();
                 }
                 Ok(watcher::Event::Apply(ns)) => {
-                    self.namespaces
-                        .write()
-                        .expect("namespace cache lock")
-                        .insert(ns.name_any(), facts(&ns));
+                    self.namespaces.write().expect("namespace cache lock").insert(ns.name_any(), facts(&ns));
                 }
                 Ok(watcher::Event::Delete(ns)) => {
-                    self.namespaces
-                        .write()
-                        .expect("namespace cache lock")
-                        .remove(&ns.name_any());
+                    self.namespaces.write().expect("namespace cache lock").remove(&ns.name_any());
                 }
                 Err(e) => warn!(error = %e, "watching Namespaces failed; retrying"),
             }
@@ -97,9 +79,7 @@ impl Caches {
 
     pub async fn watch_pods(self: Arc<Self>, client: Client, readiness: Arc<Readiness>) {
         let api = Api::<Pod>::all(client);
-        let mut events = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .boxed();
+        let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut listing = HashMap::new();
         let keep = |pod: &Pod| {
             let facts = PodFacts::from_pod(pod);

@@ -8,8 +8,7 @@ use std::time::Duration;
 use axum_server::tls_rustls::RustlsConfig;
 use notify::{RecursiveMode, Watcher};
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 use tracing::{info, warn};
 
@@ -19,20 +18,11 @@ pub const KEY_FILE: &str = "tls.key";
 #[derive(Debug, thiserror::Error)]
 pub enum CertError {
     #[error("generating {what}: {source}")]
-    Generate {
-        what: &'static str,
-        source: rcgen::Error,
-    },
+    Generate { what: &'static str, source: rcgen::Error },
     #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("loading the serving certificate from {dir}: {source}")]
-    Load {
-        dir: PathBuf,
-        source: std::io::Error,
-    },
+    Load { dir: PathBuf, source: std::io::Error },
     #[error("watching {dir} for certificate changes: {source}")]
     Watch { dir: PathBuf, source: notify::Error },
 }
@@ -50,30 +40,17 @@ pub fn self_signed(hosts: &[String]) -> Result<SelfSigned, CertError> {
     let ca_key = KeyPair::generate().map_err(err("the CA key"))?;
     let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(err("the CA"))?;
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name
-        .push(DnType::CommonName, "capo webhook CA");
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
+    ca.distinguished_name.push(DnType::CommonName, "capo webhook CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
     let ca_cert = ca.self_signed(&ca_key).map_err(err("the CA certificate"))?;
     let issuer = Issuer::new(ca, ca_key);
 
     let key = KeyPair::generate().map_err(err("the serving key"))?;
-    let mut leaf =
-        CertificateParams::new(hosts.to_vec()).map_err(err("the serving certificate"))?;
-    leaf.distinguished_name
-        .push(DnType::CommonName, "capo webhook");
+    let mut leaf = CertificateParams::new(hosts.to_vec()).map_err(err("the serving certificate"))?;
+    leaf.distinguished_name.push(DnType::CommonName, "capo webhook");
     leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let cert = leaf
-        .signed_by(&key, &issuer)
-        .map_err(err("the serving certificate"))?;
-    Ok(SelfSigned {
-        ca_pem: ca_cert.pem(),
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-    })
+    let cert = leaf.signed_by(&key, &issuer).map_err(err("the serving certificate"))?;
+    Ok(SelfSigned { ca_pem: ca_cert.pem(), cert_pem: cert.pem(), key_pem: key.serialize_pem() })
 }
 
 impl SelfSigned {
@@ -81,11 +58,7 @@ impl SelfSigned {
     pub fn write(&self, dir: &Path) -> Result<(), CertError> {
         let io = |path: PathBuf| move |source| CertError::Io { path, source };
         std::fs::create_dir_all(dir).map_err(io(dir.to_path_buf()))?;
-        for (name, pem) in [
-            (CERT_FILE, &self.cert_pem),
-            (KEY_FILE, &self.key_pem),
-            ("ca.crt", &self.ca_pem),
-        ] {
+        for (name, pem) in [(CERT_FILE, &self.cert_pem), (KEY_FILE, &self.key_pem), ("ca.crt", &self.ca_pem)] {
             let path = dir.join(name);
             std::fs::write(&path, pem).map_err(io(path.clone()))?;
         }
@@ -97,10 +70,7 @@ impl SelfSigned {
 pub async fn load(dir: &Path) -> Result<RustlsConfig, CertError> {
     RustlsConfig::from_pem_file(dir.join(CERT_FILE), dir.join(KEY_FILE))
         .await
-        .map_err(|source| CertError::Load {
-            dir: dir.to_path_buf(),
-            source,
-        })
+        .map_err(|source| CertError::Load { dir: dir.to_path_buf(), source })
 }
 
 /// Reloads `config` whenever something in `dir` changes. Watches the directory, not the
@@ -112,25 +82,14 @@ pub fn watch(dir: PathBuf, config: RustlsConfig) -> Result<notify::RecommendedWa
             let _ = tx.send(());
         }
     })
-    .map_err(|source| CertError::Watch {
-        dir: dir.clone(),
-        source,
-    })?;
-    watcher
-        .watch(&dir, RecursiveMode::NonRecursive)
-        .map_err(|source| CertError::Watch {
-            dir: dir.clone(),
-            source,
-        })?;
+    .map_err(|source| CertError::Watch { dir: dir.clone(), source })?;
+    watcher.watch(&dir, RecursiveMode::NonRecursive).map_err(|source| CertError::Watch { dir: dir.clone(), source })?;
     tokio::spawn(async move {
         while rx.recv().await.is_some() {
             // A Secret update is several filesystem events; let them settle.
             tokio::time::sleep(Duration::from_millis(250)).await;
             while rx.try_recv().is_ok() {}
-            match config
-                .reload_from_pem_file(dir.join(CERT_FILE), dir.join(KEY_FILE))
-                .await
-            {
+            match config.reload_from_pem_file(dir.join(CERT_FILE), dir.join(KEY_FILE)).await {
                 Ok(()) => info!(dir = %dir.display(), "reloaded the serving certificate"),
                 Err(e) => {
                     warn!(dir = %dir.display(), error = %e, "could not reload the serving certificate; keeping the old one")

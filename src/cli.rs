@@ -10,11 +10,7 @@ use clap::Parser;
 use crate::app::{SelfRegister, Settings, TlsSource};
 
 #[derive(Parser, Debug, Clone)]
-#[command(
-    name = "capo",
-    version,
-    about = "Holds the IPs of deleted stateful Pods in Calico IPReservations"
-)]
+#[command(name = "capo", version, about = "Holds the IPs of deleted stateful Pods in Calico IPReservations")]
 pub struct Args {
     /// Address the admission webhook (HTTPS) listens on.
     #[arg(long, env = "CAPO_WEBHOOK_ADDR", default_value = "0.0.0.0:9443")]
@@ -25,11 +21,7 @@ pub struct Args {
     pub probe_addr: SocketAddr,
 
     /// Directory with tls.crt and tls.key (a mounted Secret); reloaded when it changes.
-    #[arg(
-        long,
-        env = "CAPO_TLS_DIR",
-        default_value = "/tmp/k8s-webhook-server/serving-certs"
-    )]
+    #[arg(long, env = "CAPO_TLS_DIR", default_value = "/tmp/k8s-webhook-server/serving-certs")]
     pub tls_dir: PathBuf,
 
     /// Local mode: make a CA and serving certificate, and register a
@@ -50,12 +42,7 @@ pub struct Args {
     pub namespace: String,
 
     /// Further namespaces capo never holds in, comma-separated.
-    #[arg(
-        long,
-        env = "CAPO_EXCLUDED_NAMESPACES",
-        default_value = "kube-system",
-        value_delimiter = ','
-    )]
+    #[arg(long, env = "CAPO_EXCLUDED_NAMESPACES", default_value = "kube-system", value_delimiter = ',')]
     pub excluded_namespaces: Vec<String>,
 
     /// The most time one admission review may take, whatever the API server allows.
@@ -90,10 +77,7 @@ impl Args {
             Some(url) => {
                 let host = url_host(url).ok_or_else(|| ArgsError::Url(url.clone()))?;
                 (
-                    TlsSource::SelfSigned {
-                        hosts: vec![host],
-                        write_to: None,
-                    },
+                    TlsSource::SelfSigned { hosts: vec![host], write_to: None },
                     Some(SelfRegister {
                         name: self.webhook_config_name.clone(),
                         url: Some(url.clone()),
@@ -142,10 +126,7 @@ mod tests {
             if id == "help" || id == "version" {
                 continue;
             }
-            assert!(
-                arg.get_env().is_some(),
-                "--{id} has no environment variable"
-            );
+            assert!(arg.get_env().is_some(), "--{id} has no environment variable");
         }
     }
 
@@ -162,30 +143,16 @@ mod tests {
         ]);
         let s = args.settings().unwrap();
         assert_eq!(s.calico_api, Some(CalicoApiGroup::V3));
-        assert_eq!(
-            s.excluded_namespaces,
-            vec!["ip-reserve".to_string(), "kube-system".to_string()]
-        );
-        assert!(
-            matches!(s.tls, TlsSource::SelfSigned { ref hosts, .. } if hosts == &["127.0.0.1".to_string()])
-        );
-        let bad = Args::parse_from(["capo", "--calico-api", "v2"])
-            .settings()
-            .unwrap_err();
+        assert_eq!(s.excluded_namespaces, vec!["ip-reserve".to_string(), "kube-system".to_string()]);
+        assert!(matches!(s.tls, TlsSource::SelfSigned { ref hosts, .. } if hosts == &["127.0.0.1".to_string()]));
+        let bad = Args::parse_from(["capo", "--calico-api", "v2"]).settings().unwrap_err();
         assert!(bad.to_string().contains("unknown Calico API"), "{bad}");
-        assert!(
-            Args::parse_from(["capo", "--self-register-url", "http://x"])
-                .settings()
-                .is_err()
-        );
+        assert!(Args::parse_from(["capo", "--self-register-url", "http://x"]).settings().is_err());
     }
 
     #[test]
     fn url_hosts() {
-        assert_eq!(
-            url_host("https://127.0.0.1:9443").as_deref(),
-            Some("127.0.0.1")
-        );
+        assert_eq!(url_host("https://127.0.0.1:9443").as_deref(), Some("127.0.0.1"));
         assert_eq!(url_host("https://[::1]:9443/x").as_deref(), Some("::1"));
         assert_eq!(url_host("https://capo.svc").as_deref(), Some("capo.svc"));
         assert_eq!(url_host("https://"), None);

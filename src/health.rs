@@ -36,22 +36,16 @@ impl Readiness {
 
     /// Everything the admission decision reads is loaded.
     pub fn is_ready(&self) -> bool {
-        [&self.policies, &self.namespaces, &self.pods]
-            .iter()
-            .all(|f| f.load(Ordering::SeqCst))
+        [&self.policies, &self.namespaces, &self.pods].iter().all(|f| f.load(Ordering::SeqCst))
     }
 
     /// What is still missing, for `/readyz` and logs.
     pub fn missing(&self) -> Vec<&'static str> {
-        [
-            ("policies", &self.policies),
-            ("namespaces", &self.namespaces),
-            ("pods", &self.pods),
-        ]
-        .into_iter()
-        .filter(|(_, f)| !f.load(Ordering::SeqCst))
-        .map(|(n, _)| n)
-        .collect()
+        [("policies", &self.policies), ("namespaces", &self.namespaces), ("pods", &self.pods)]
+            .into_iter()
+            .filter(|(_, f)| !f.load(Ordering::SeqCst))
+            .map(|(n, _)| n)
+            .collect()
     }
 
     pub async fn wait(&self) {
@@ -67,10 +61,8 @@ impl Readiness {
 
 /// `/healthz`, `/readyz` and (when given) `/metrics` on the probe port.
 pub fn router(readiness: Arc<Readiness>, metrics: Option<Arc<crate::metrics::Metrics>>) -> Router {
-    let mut router = Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .with_state(readiness);
+    let mut router =
+        Router::new().route("/healthz", get(|| async { "ok" })).route("/readyz", get(readyz)).with_state(readiness);
     if let Some(metrics) = metrics {
         router = router.merge(crate::metrics::router(metrics));
     }
@@ -81,9 +73,6 @@ async fn readyz(State(r): State<Arc<Readiness>>) -> (StatusCode, String) {
     if r.is_ready() {
         (StatusCode::OK, "ok".into())
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("waiting for: {}", r.missing().join(", ")),
-        )
+        (StatusCode::SERVICE_UNAVAILABLE, format!("waiting for: {}", r.missing().join(", ")))
     }
 }

@@ -7,9 +7,7 @@ use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
-};
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
 pub struct Metrics {
     pub registry: Registry,
@@ -34,9 +32,7 @@ impl Metrics {
         let registry = Registry::new_custom(Some("capo".into()), None).expect("static prefix");
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
             c
         };
         let admission_requests = counter(
@@ -44,48 +40,22 @@ impl Metrics {
             "Admission reviews answered, by operation and outcome.",
             &["operation", "outcome"],
         );
-        let holds = counter(
-            "holds_total",
-            "IPs written into a capo-owned reservation.",
-            &["policy", "trigger"],
-        );
-        let hold_failures = counter(
-            "hold_failures_total",
-            "Holds that could not be written, by action taken.",
-            &["policy", "action"],
-        );
-        let skipped = counter(
-            "admission_skipped_total",
-            "Deletions capo did not hold, by reason.",
-            &["reason"],
-        );
-        let pod_cache_misses = counter(
-            "pod_cache_misses_total",
-            "Evictions whose Pod had to be read from the API server.",
-            &["result"],
-        );
+        let holds = counter("holds_total", "IPs written into a capo-owned reservation.", &["policy", "trigger"]);
+        let hold_failures =
+            counter("hold_failures_total", "Holds that could not be written, by action taken.", &["policy", "action"]);
+        let skipped = counter("admission_skipped_total", "Deletions capo did not hold, by reason.", &["reason"]);
+        let pod_cache_misses =
+            counter("pod_cache_misses_total", "Evictions whose Pod had to be read from the API server.", &["result"]);
         let admission_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "admission_duration_seconds",
-                "Time to answer an admission review.",
-            )
-            .buckets(vec![
-                0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-            ]),
+            HistogramOpts::new("admission_duration_seconds", "Time to answer an admission review.")
+                .buckets(vec![0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
             &["operation", "outcome"],
         )
         .expect("static metric");
-        registry
-            .register(Box::new(admission_duration.clone()))
-            .expect("unique metric");
-        let policies = IntGaugeVec::new(
-            Opts::new("policies", "Loaded CapoPolicies by state."),
-            &["state"],
-        )
-        .expect("static metric");
-        registry
-            .register(Box::new(policies.clone()))
-            .expect("unique metric");
+        registry.register(Box::new(admission_duration.clone())).expect("unique metric");
+        let policies = IntGaugeVec::new(Opts::new("policies", "Loaded CapoPolicies by state."), &["state"])
+            .expect("static metric");
+        registry.register(Box::new(policies.clone())).expect("unique metric");
         Self {
             registry,
             admission_requests,
@@ -100,9 +70,7 @@ impl Metrics {
 
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding");
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
     }
 }
@@ -114,9 +82,7 @@ impl Default for Metrics {
 }
 
 pub fn router(metrics: Arc<Metrics>) -> Router {
-    Router::new()
-        .route("/metrics", get(serve))
-        .with_state(metrics)
+    Router::new().route("/metrics", get(serve)).with_state(metrics)
 }
 
 async fn serve(State(m): State<Arc<Metrics>>) -> impl IntoResponse {

@@ -93,32 +93,21 @@ impl PodFacts {
         let meta = &pod.metadata;
         let spec = pod.spec.as_ref();
         let status = pod.status.as_ref();
-        let listed = status
-            .and_then(|s| s.pod_ips.as_ref())
-            .into_iter()
-            .flatten()
-            .map(|p| p.ip.as_str());
+        let listed = status.and_then(|s| s.pod_ips.as_ref()).into_iter().flatten().map(|p| p.ip.as_str());
         let single = status.and_then(|s| s.pod_ip.as_deref());
         Self {
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),
             uid: meta.uid.clone().unwrap_or_default(),
             labels: meta.labels.clone().unwrap_or_default(),
-            annotations: capo_annotations(
-                meta.annotations
-                    .iter()
-                    .flatten()
-                    .map(|(k, v)| (k.clone(), v.clone())),
-            ),
+            annotations: capo_annotations(meta.annotations.iter().flatten().map(|(k, v)| (k.clone(), v.clone()))),
             controller: meta
                 .owner_references
                 .iter()
                 .flatten()
                 .find(|o| o.controller == Some(true))
                 .map(|o| (o.kind.clone(), o.name.clone())),
-            node: spec
-                .and_then(|s| s.node_name.clone())
-                .filter(|n| !n.is_empty()),
+            node: spec.and_then(|s| s.node_name.clone()).filter(|n| !n.is_empty()),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             ips: parse_ips(listed.chain(single)),
             phase: status.and_then(|s| s.phase.clone()),
@@ -129,12 +118,8 @@ impl PodFacts {
     fn from_wire(w: PodWire) -> Self {
         let listed = w.status.pod_ips.iter().map(|p| p.ip.as_str());
         let ips = parse_ips(listed.chain(w.status.pod_ip.as_deref()));
-        let controller = w
-            .metadata
-            .owner_references
-            .into_iter()
-            .find(|o| o.controller == Some(true))
-            .map(|o| (o.kind, o.name));
+        let controller =
+            w.metadata.owner_references.into_iter().find(|o| o.controller == Some(true)).map(|o| (o.kind, o.name));
         Self {
             namespace: w.metadata.namespace,
             name: w.metadata.name,
@@ -167,9 +152,7 @@ fn parse_ips<'a>(raw: impl Iterator<Item = &'a str>) -> Vec<IpAddr> {
 }
 
 fn capo_annotations(all: impl IntoIterator<Item = (String, String)>) -> BTreeMap<String, String> {
-    all.into_iter()
-        .filter(|(k, _)| k.starts_with(capo_api::keys::CAPO_PREFIX))
-        .collect()
+    all.into_iter().filter(|(k, _)| k.starts_with(capo_api::keys::CAPO_PREFIX)).collect()
 }
 
 #[cfg(test)]
@@ -190,27 +173,16 @@ mod tests {
                 "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
         }))
         .unwrap();
-        assert_eq!(
-            pod.ips,
-            vec![
-                "10.0.0.1".parse::<IpAddr>().unwrap(),
-                "fd00::1".parse().unwrap()
-            ]
-        );
+        assert_eq!(pod.ips, vec!["10.0.0.1".parse::<IpAddr>().unwrap(), "fd00::1".parse().unwrap()]);
         assert_eq!(pod.controller, Some(("StatefulSet".into(), "r".into())));
-        assert_eq!(
-            pod.annotations.len(),
-            1,
-            "only capo.io annotations are kept"
-        );
+        assert_eq!(pod.annotations.len(), 1, "only capo.io annotations are kept");
         assert_eq!(pod.node.as_deref(), Some("n1"));
         assert!(!pod.host_network && !pod.deleting);
     }
 
     #[test]
     fn a_pod_without_status_has_no_ips() {
-        let pod =
-            PodFacts::from_json(&json!({"metadata": {"name": "p", "namespace": "n"}})).unwrap();
+        let pod = PodFacts::from_json(&json!({"metadata": {"name": "p", "namespace": "n"}})).unwrap();
         assert!(pod.ips.is_empty());
         assert!(PodFacts::from_json(&json!("not an object")).is_err());
     }
@@ -225,18 +197,12 @@ mod tests {
             "status": {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
         });
         let typed: k8s_openapi::api::core::v1::Pod = serde_json::from_value(value.clone()).unwrap();
-        assert_eq!(
-            PodFacts::from_pod(&typed),
-            PodFacts::from_json(&value).unwrap()
-        );
+        assert_eq!(PodFacts::from_pod(&typed), PodFacts::from_json(&value).unwrap());
     }
 
     #[test]
     fn malformed_ips_are_ignored() {
-        let pod = PodFacts::from_json(
-            &json!({"status": {"podIPs": [{"ip": "nope"}, {"ip": "10.0.0.2"}]}}),
-        )
-        .unwrap();
+        let pod = PodFacts::from_json(&json!({"status": {"podIPs": [{"ip": "nope"}, {"ip": "10.0.0.2"}]}})).unwrap();
         assert_eq!(pod.ips, vec!["10.0.0.2".parse::<IpAddr>().unwrap()]);
     }
 }

@@ -3,12 +3,7 @@
 use tracing_subscriber::EnvFilter;
 
 pub fn init(format: &str) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let _ = if format == "json" {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
+    let _ = if format == "json" { builder.json().try_init() } else { builder.try_init() };
 }

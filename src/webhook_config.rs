@@ -40,9 +40,7 @@ pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
             json!({ "key": FAILURE_POLICY_LABEL, "operator": fail_ns_operator, "values": ["Fail"] }),
         ];
         if let Some(only) = &reg.only_namespaces {
-            expressions.push(
-                json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }),
-            );
+            expressions.push(json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }));
         }
         json!({
             "name": name,
@@ -75,12 +73,7 @@ pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
 /// Creates or updates the configuration (server-side apply).
 pub async fn apply(client: &Client, reg: &Registration) -> Result<(), kube::Error> {
     let api = Api::<ValidatingWebhookConfiguration>::all(client.clone());
-    api.patch(
-        &reg.name,
-        &PatchParams::apply("capo").force(),
-        &Patch::Apply(render(reg)),
-    )
-    .await?;
+    api.patch(&reg.name, &PatchParams::apply("capo").force(), &Patch::Apply(render(reg))).await?;
     Ok(())
 }
 

@@ -30,22 +30,11 @@ pub mod v1 {
     use kube::CustomResource;
 
     /// `crd.projectcalico.org/v1` `IPReservation`.
-    #[derive(
-        CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
-    )]
-    #[kube(
-        group = "crd.projectcalico.org",
-        version = "v1",
-        kind = "IPReservation",
-        plural = "ipreservations"
-    )]
+    #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+    #[kube(group = "crd.projectcalico.org", version = "v1", kind = "IPReservation", plural = "ipreservations")]
     #[kube(derive = "PartialEq", derive = "Default")]
     pub struct IPReservationSpec {
-        #[serde(
-            rename = "reservedCIDRs",
-            default,
-            skip_serializing_if = "Option::is_none"
-        )]
+        #[serde(rename = "reservedCIDRs", default, skip_serializing_if = "Option::is_none")]
         #[schemars(schema_with = "super::reserved_cidrs_schema")]
         pub reserved_cidrs: Option<Vec<String>>,
     }
@@ -56,22 +45,11 @@ pub mod v3 {
     use kube::CustomResource;
 
     /// `projectcalico.org/v3` `IPReservation`.
-    #[derive(
-        CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
-    )]
-    #[kube(
-        group = "projectcalico.org",
-        version = "v3",
-        kind = "IPReservation",
-        plural = "ipreservations"
-    )]
+    #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+    #[kube(group = "projectcalico.org", version = "v3", kind = "IPReservation", plural = "ipreservations")]
     #[kube(derive = "PartialEq", derive = "Default")]
     pub struct IPReservationSpec {
-        #[serde(
-            rename = "reservedCIDRs",
-            default,
-            skip_serializing_if = "Option::is_none"
-        )]
+        #[serde(rename = "reservedCIDRs", default, skip_serializing_if = "Option::is_none")]
         #[schemars(schema_with = "super::reserved_cidrs_schema")]
         pub reserved_cidrs: Option<Vec<String>>,
     }
@@ -118,8 +96,7 @@ impl CalicoApiGroup {
     /// The `IPReservation` CRD of this group, as capo's bindings define it.
     pub fn ip_reservation_crd(
         self,
-    ) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition
-    {
+    ) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
         use kube::CustomResourceExt;
         match self {
             Self::CrdV1 => v1::IPReservation::crd(),

@@ -39,13 +39,8 @@ impl FromStr for Duration {
         if input.is_empty() {
             return Err(DurationError::Empty);
         }
-        let malformed = |reason| DurationError::Malformed {
-            input: input.to_string(),
-            reason,
-        };
-        let overflow = || DurationError::Overflow {
-            input: input.to_string(),
-        };
+        let malformed = |reason| DurationError::Malformed { input: input.to_string(), reason };
+        let overflow = || DurationError::Overflow { input: input.to_string() };
         let mut total: u128 = 0;
         let mut rest = input;
         while !rest.is_empty() {
@@ -65,10 +60,7 @@ impl FromStr for Duration {
                 _ => return Err(malformed("unknown unit; use ms, s, m or h")),
             };
             rest = &rest[unit_len..];
-            total = value
-                .checked_mul(millis_per_unit)
-                .and_then(|v| v.checked_add(total))
-                .ok_or_else(overflow)?;
+            total = value.checked_mul(millis_per_unit).and_then(|v| v.checked_add(total)).ok_or_else(overflow)?;
         }
         let millis = u64::try_from(total).map_err(|_| overflow())?;
         Ok(Self(std::time::Duration::from_millis(millis)))
@@ -105,33 +97,17 @@ mod tests {
         assert_eq!(secs("40m"), 2400);
         assert_eq!(secs("1h30m"), 5400);
         assert_eq!(secs("5s"), 5);
-        assert_eq!(
-            "250ms".parse::<Duration>().unwrap().as_std().as_millis(),
-            250
-        );
+        assert_eq!("250ms".parse::<Duration>().unwrap().as_std().as_millis(), 250);
         assert_eq!(secs("1h1h"), 7200);
     }
 
     #[test]
     fn rejects_malformed_durations_with_a_reason() {
-        for bad in [
-            "",
-            "40",
-            "m",
-            "4 0m",
-            "1d",
-            "-5s",
-            "1.5h",
-            "40m ",
-            "99999999999999999999999h",
-        ] {
+        for bad in ["", "40", "m", "4 0m", "1d", "-5s", "1.5h", "40m ", "99999999999999999999999h"] {
             let err = bad.parse::<Duration>().unwrap_err();
             assert!(!err.to_string().is_empty(), "{bad:?}");
         }
-        assert!(matches!(
-            "1d".parse::<Duration>(),
-            Err(DurationError::Malformed { .. })
-        ));
+        assert!(matches!("1d".parse::<Duration>(), Err(DurationError::Malformed { .. })));
     }
 
     #[test]

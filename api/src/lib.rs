@@ -2,6 +2,9 @@
 //! bindings for Calico's `IPReservation` in both of its API groups, and the
 //! well-known labels and annotations capo reads and writes.
 
+// kube-derive takes one `printcolumn(...)` per column; clippy reads the repeats as duplicates.
+#![allow(clippy::duplicated_attributes)]
+
 pub mod calico;
 pub mod crds;
 pub mod duration;

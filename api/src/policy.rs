@@ -27,22 +27,14 @@ pub const DEFAULT_RELEASE_INTERVAL: &str = "5s";
     printcolumn(name = "Reserve-For", type_ = "string", json_path = ".spec.reserveFor"),
     printcolumn(name = "Max", type_ = "integer", json_path = ".spec.maxReserved"),
     printcolumn(name = "Priority", type_ = "integer", json_path = ".spec.priority"),
-    printcolumn(
-        name = "Ready",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
-    ),
+    printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
     printcolumn(
         name = "Reason",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
         priority = 1
     ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("has(self.namespaceSelector) || has(self.podSelector) || has(self.workloads)").message("a policy must select something: set namespaceSelector, podSelector or workloads (an empty podSelector {} selects every Pod)"))]
@@ -131,9 +123,7 @@ pub enum WorkloadKind {
 }
 
 /// What the webhook answers when it cannot write the hold in time.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
-)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum HoldFailureAction {
     /// Refuse the deletion or eviction with the reason; controllers and `kubectl drain`
     /// retry. Keeps the guarantee that an allowed deletion always has its IPs held.
@@ -157,10 +147,7 @@ pub struct SkipRules {
 
 impl Default for SkipRules {
     fn default() -> Self {
-        Self {
-            namespace_terminating: true,
-            owner_deleted: true,
-        }
+        Self { namespace_terminating: true, owner_deleted: true }
     }
 }
 
@@ -186,11 +173,7 @@ pub struct PodOverrides {
 
 impl Default for PodOverrides {
     fn default() -> Self {
-        Self {
-            allow_opt_in: true,
-            min_reserve_for: None,
-            max_reserve_for: None,
-        }
+        Self { allow_opt_in: true, min_reserve_for: None, max_reserve_for: None }
     }
 }
 

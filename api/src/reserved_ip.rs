@@ -22,18 +22,9 @@ use std::net::IpAddr;
     doc = "An IP capo holds in a Calico IPReservation after its Pod was deleted or evicted.",
     printcolumn(name = "IP", type_ = "string", json_path = ".spec.ip"),
     printcolumn(name = "Policy", type_ = "string", json_path = ".spec.policy"),
-    printcolumn(
-        name = "Namespace",
-        type_ = "string",
-        json_path = ".spec.pod.namespace"
-    ),
+    printcolumn(name = "Namespace", type_ = "string", json_path = ".spec.pod.namespace"),
     printcolumn(name = "Pod", type_ = "string", json_path = ".spec.pod.name"),
-    printcolumn(
-        name = "Node",
-        type_ = "string",
-        json_path = ".spec.pod.node",
-        priority = 1
-    ),
+    printcolumn(name = "Node", type_ = "string", json_path = ".spec.pod.node", priority = 1),
     printcolumn(name = "Trigger", type_ = "string", json_path = ".spec.trigger"),
     printcolumn(name = "Hold", type_ = "string", json_path = ".spec.reserveFor"),
     printcolumn(name = "Reserved", type_ = "date", json_path = ".spec.reservedAt"),
@@ -133,27 +124,16 @@ mod tests {
         let edges: [IpAddr; 2] = ["::1".parse().unwrap(), "fd00:1::".parse().unwrap()];
         assert_eq!(record_name(edges[0]), "0--1");
         assert_eq!(record_name(edges[1]), "fd00-1--0");
-        for n in [
-            record_name(v4),
-            record_name(v6),
-            record_name(edges[0]),
-            record_name(edges[1]),
-        ] {
+        for n in [record_name(v4), record_name(v6), record_name(edges[0]), record_name(edges[1])] {
             assert!(n.len() <= 253);
             assert!(!n.starts_with('-') && !n.ends_with('-'), "{n}");
-            assert!(
-                n.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
-            );
+            assert!(n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.'));
         }
     }
 
     #[test]
     fn single_ip_cidrs_are_canonical() {
         assert_eq!(single_ip_cidr("10.1.2.3".parse().unwrap()), "10.1.2.3/32");
-        assert_eq!(
-            single_ip_cidr("FD00:0000::0001".parse().unwrap()),
-            "fd00::1/128"
-        );
+        assert_eq!(single_ip_cidr("FD00:0000::0001".parse().unwrap()), "fd00::1/128");
     }
 }

@@ -47,17 +47,9 @@ pub enum Operator {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SelectorError {
     #[error("matchExpressions[{index}] (key {key:?}): {operator:?} needs at least one value")]
-    MissingValues {
-        index: usize,
-        key: String,
-        operator: Operator,
-    },
+    MissingValues { index: usize, key: String, operator: Operator },
     #[error("matchExpressions[{index}] (key {key:?}): {operator:?} takes no values")]
-    UnexpectedValues {
-        index: usize,
-        key: String,
-        operator: Operator,
-    },
+    UnexpectedValues { index: usize, key: String, operator: Operator },
 }
 
 impl LabelSelector {
@@ -68,11 +60,7 @@ impl LabelSelector {
             let needs_values = matches!(req.operator, Operator::In | Operator::NotIn);
             match (needs_values, req.values.is_empty()) {
                 (true, true) => {
-                    return Err(SelectorError::MissingValues {
-                        index,
-                        key: req.key.clone(),
-                        operator: req.operator,
-                    });
+                    return Err(SelectorError::MissingValues { index, key: req.key.clone(), operator: req.operator });
                 }
                 (false, false) => {
                     return Err(SelectorError::UnexpectedValues {
@@ -89,9 +77,7 @@ impl LabelSelector {
 
     /// Whether `labels` satisfy this selector. An empty selector matches everything.
     pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
-        self.match_labels
-            .iter()
-            .all(|(k, v)| labels.get(k) == Some(v))
+        self.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
             && self.match_expressions.iter().all(|req| req.matches(labels))
     }
 }
@@ -113,18 +99,11 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
     fn req(key: &str, operator: Operator, values: &[&str]) -> SelectorRequirement {
-        SelectorRequirement {
-            key: key.into(),
-            operator,
-            values: values.iter().map(|v| v.to_string()).collect(),
-        }
+        SelectorRequirement { key: key.into(), operator, values: values.iter().map(|v| v.to_string()).collect() }
     }
 
     #[test]
@@ -145,10 +124,7 @@ mod tests {
             ],
         };
         assert!(!sel.matches(&labels(&[("brokerId", "1")])));
-        assert!(sel.matches(&labels(&[
-            ("brokerId", "1"),
-            ("statefulset.kubernetes.io/pod-name", "k-0")
-        ])));
+        assert!(sel.matches(&labels(&[("brokerId", "1"), ("statefulset.kubernetes.io/pod-name", "k-0")])));
     }
 
     #[test]
@@ -179,22 +155,13 @@ mod tests {
 
     #[test]
     fn validate_reports_the_offending_expression() {
-        let sel = LabelSelector {
-            match_labels: BTreeMap::new(),
-            match_expressions: vec![req("a", Operator::In, &[])],
-        };
+        let sel = LabelSelector { match_labels: BTreeMap::new(), match_expressions: vec![req("a", Operator::In, &[])] };
         let err = sel.validate().unwrap_err().to_string();
-        assert!(
-            err.contains("matchExpressions[0]") && err.contains("\"a\""),
-            "{err}"
-        );
+        assert!(err.contains("matchExpressions[0]") && err.contains("\"a\""), "{err}");
         let sel = LabelSelector {
             match_labels: BTreeMap::new(),
             match_expressions: vec![req("a", Operator::Exists, &["x"])],
         };
-        assert!(matches!(
-            sel.validate(),
-            Err(SelectorError::UnexpectedValues { .. })
-        ));
+        assert!(matches!(sel.validate(), Err(SelectorError::UnexpectedValues { .. })));
     }
 }

@@ -11,9 +11,7 @@ const FLOOR: Duration = Duration::from_millis(200);
 /// The time capo may spend writing a hold, given the `timeout` query parameter (a Go
 /// duration such as `10s`) and capo's own ceiling.
 pub fn budget(timeout_param: Option<&str>, ceiling: Duration) -> Duration {
-    let server = timeout_param
-        .and_then(|t| t.parse::<capo_api::Duration>().ok())
-        .map(|d| d.as_std());
+    let server = timeout_param.and_then(|t| t.parse::<capo_api::Duration>().ok()).map(|d| d.as_std());
     let limit = server.map_or(ceiling, |s| s.min(ceiling));
     // Keep the margin, or a quarter of a short deadline.
     let margin = MARGIN.min(limit / 4);
@@ -31,10 +29,7 @@ mod tests {
         assert_eq!(budget(Some("30s"), ceiling), Duration::from_millis(9500));
         assert_eq!(budget(None, ceiling), Duration::from_millis(9500));
         assert_eq!(budget(Some("1s"), ceiling), Duration::from_millis(750));
-        assert_eq!(
-            budget(Some("garbage"), ceiling),
-            Duration::from_millis(9500)
-        );
+        assert_eq!(budget(Some("garbage"), ceiling), Duration::from_millis(9500));
         assert!(budget(Some("100ms"), ceiling) <= Duration::from_millis(100));
     }
 }

@@ -29,8 +29,7 @@ use crate::policy::{Decision, HoldPlan, RequestContext, SharedMatcher};
 
 /// The user the garbage collector deletes dependents as (kube-controller-manager with
 /// `--use-service-account-credentials`, the default everywhere that matters).
-pub const GARBAGE_COLLECTOR_USER: &str =
-    "system:serviceaccount:kube-system:generic-garbage-collector";
+pub const GARBAGE_COLLECTOR_USER: &str = "system:serviceaccount:kube-system:generic-garbage-collector";
 
 #[derive(Clone, Debug)]
 pub struct AdmissionSettings {
@@ -51,9 +50,7 @@ pub struct Admission {
 }
 
 pub fn router(admission: Arc<Admission>) -> Router {
-    Router::new()
-        .route("/hold", post(serve))
-        .with_state(admission)
+    Router::new().route("/hold", post(serve)).with_state(admission)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -97,61 +94,35 @@ async fn serve(
     let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
-            adm.metrics
-                .admission_requests
-                .with_label_values(&["unknown", "malformed"])
-                .inc();
+            adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
             return bad_request(format!("malformed AdmissionReview: {e}"));
         }
     };
     let request: AdmissionRequest<DynamicObject> = match review.try_into() {
         Ok(r) => r,
         Err(e) => {
-            adm.metrics
-                .admission_requests
-                .with_label_values(&["unknown", "malformed"])
-                .inc();
+            adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
             return bad_request(format!("malformed AdmissionReview: {e}"));
         }
     };
     if !adm.readiness.is_ready() {
         // Not an answer capo can give yet: the API server applies the webhook's
         // failurePolicy, exactly as when capo is unreachable.
-        adm.metrics
-            .admission_requests
-            .with_label_values(&["unknown", "not_ready"])
-            .inc();
+        adm.metrics.admission_requests.with_label_values(&["unknown", "not_ready"]).inc();
         let missing = adm.readiness.missing().join(", ");
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("capo is starting: waiting for {missing}"),
-        )
-            .into_response();
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("capo is starting: waiting for {missing}")).into_response();
     }
-    let deadline = started
-        + budget(
-            query.get("timeout").map(String::as_str),
-            adm.settings.max_review_time,
-        );
+    let deadline = started + budget(query.get("timeout").map(String::as_str), adm.settings.max_review_time);
     let (kind, outcome, response) = match adm.review(&request, deadline).await {
         Ok(r) => r,
         Err(message) => {
-            adm.metrics
-                .admission_requests
-                .with_label_values(&["unknown", "malformed"])
-                .inc();
+            adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
             return bad_request(message);
         }
     };
     let op = kind.map_or("other", Kind::as_str);
-    adm.metrics
-        .admission_requests
-        .with_label_values(&[op, outcome])
-        .inc();
-    adm.metrics
-        .admission_duration
-        .with_label_values(&[op, outcome])
-        .observe(started.elapsed().as_secs_f64());
+    adm.metrics.admission_requests.with_label_values(&[op, outcome]).inc();
+    adm.metrics.admission_duration.with_label_values(&[op, outcome]).observe(started.elapsed().as_secs_f64());
     axum::Json(response.into_review()).into_response()
 }
 
@@ -163,11 +134,7 @@ impl Admission {
         deadline: Instant,
     ) -> Result<(Option<Kind>, &'static str, AdmissionResponse), String> {
         let resp = AdmissionResponse::from(req);
-        let kind = match (
-            &req.operation,
-            req.sub_resource.as_deref(),
-            req.resource.resource.as_str(),
-        ) {
+        let kind = match (&req.operation, req.sub_resource.as_deref(), req.resource.resource.as_str()) {
             (Operation::Delete, None | Some(""), "pods") => Kind::Delete,
             (Operation::Create, Some("eviction"), "pods") => Kind::Eviction,
             // Not something capo registers for; never stand in the way.
@@ -179,10 +146,7 @@ impl Admission {
         }
         let pod = match kind {
             Kind::Delete => {
-                let old = req
-                    .old_object
-                    .as_ref()
-                    .ok_or("a Pod DELETE review without oldObject")?;
+                let old = req.old_object.as_ref().ok_or("a Pod DELETE review without oldObject")?;
                 let value = serde_json::to_value(old).map_err(|e| format!("oldObject: {e}"))?;
                 PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?
             }
@@ -211,10 +175,7 @@ impl Admission {
         };
         let plan = match self.matcher.load().decide(&pod, &ctx) {
             Decision::Skip(reason) => {
-                self.metrics
-                    .skipped
-                    .with_label_values(&[reason.as_str()])
-                    .inc();
+                self.metrics.skipped.with_label_values(&[reason.as_str()]).inc();
                 debug!(namespace, pod = %pod.name, reason = reason.as_str(), "not holding");
                 return Ok((Some(kind), "skipped", allow(resp, vec![])));
             }
@@ -222,33 +183,20 @@ impl Admission {
         };
         if req.dry_run {
             let mut warnings = plan.warnings.clone();
-            warnings.push(format!(
-                "capo: dry run; would hold {} in {}",
-                ips(&pod),
-                plan.policy.reservation_name()
-            ));
+            warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), plan.policy.reservation_name()));
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));
         }
         Ok(self.hold(kind, &pod, plan, resp, deadline).await)
     }
 
-    async fn evicted_pod(
-        &self,
-        namespace: &str,
-        name: &str,
-    ) -> Result<Option<PodFacts>, kube::Error> {
+    async fn evicted_pod(&self, namespace: &str, name: &str) -> Result<Option<PodFacts>, kube::Error> {
         if let Some(p) = self.caches.pod(namespace, name) {
             return Ok(Some((*p).clone()));
         }
         // Not cached: no IP yet when last seen, or created a moment ago.
-        let got = Api::<Pod>::namespaced(self.client.clone(), namespace)
-            .get_opt(name)
-            .await;
+        let got = Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(name).await;
         let result = if got.is_ok() { "read" } else { "error" };
-        self.metrics
-            .pod_cache_misses
-            .with_label_values(&[result])
-            .inc();
+        self.metrics.pod_cache_misses.with_label_values(&[result]).inc();
         Ok(got?.map(|p| PodFacts::from_pod(&p)))
     }
 
@@ -261,23 +209,12 @@ impl Admission {
         deadline: Instant,
     ) -> (Option<Kind>, &'static str, AdmissionResponse) {
         let policy = &plan.policy;
-        let request = HoldRequest {
-            policy: &policy.name,
-            reserve_for: plan.reserve_for,
-            pod,
-            trigger: kind.trigger(),
-        };
+        let request = HoldRequest { policy: &policy.name, reserve_for: plan.reserve_for, pod, trigger: kind.trigger() };
         let timeout = deadline.saturating_duration_since(Instant::now());
         let failure = match tokio::time::timeout(timeout, self.store.hold(&request)).await {
             Ok(Ok(held)) => {
-                let created = held
-                    .iter()
-                    .filter(|h| h.record != RecordOutcome::Kept)
-                    .count();
-                self.metrics
-                    .holds
-                    .with_label_values(&[&policy.name, kind.as_str()])
-                    .inc_by(created as u64);
+                let created = held.iter().filter(|h| h.record != RecordOutcome::Kept).count();
+                self.metrics.holds.with_label_values(&[&policy.name, kind.as_str()]).inc_by(created as u64);
                 info!(
                     namespace = %pod.namespace, pod = %pod.name, policy = %policy.name, ips = %ips(pod),
                     trigger = kind.as_str(), new = created, "held"
@@ -300,10 +237,7 @@ impl Admission {
             HoldFailureAction::Deny => "deny",
             HoldFailureAction::Allow => "allow",
         };
-        self.metrics
-            .hold_failures
-            .with_label_values(&[&policy.name, action])
-            .inc();
+        self.metrics.hold_failures.with_label_values(&[&policy.name, action]).inc();
         let message = format!(
             "capo could not hold {} of Pod {}/{} (policy {}): {failure}",
             ips(pod),
@@ -314,39 +248,22 @@ impl Admission {
         warn!(namespace = %pod.namespace, pod = %pod.name, policy = %policy.name, error = %failure, action, "hold failed");
         match policy.on_hold_failure {
             HoldFailureAction::Deny => {
-                let message = format!(
-                    "{message}; policy onHoldFailure=Deny refuses the request until the hold can be written"
-                );
-                (
-                    Some(kind),
-                    "denied",
-                    deny(resp, kind.deny_code(), "HoldFailed", message),
-                )
+                let message =
+                    format!("{message}; policy onHoldFailure=Deny refuses the request until the hold can be written");
+                (Some(kind), "denied", deny(resp, kind.deny_code(), "HoldFailed", message))
             }
             HoldFailureAction::Allow => {
                 let message = format!("{message}; allowed by policy onHoldFailure=Allow");
-                (
-                    Some(kind),
-                    "hold_failed_allowed",
-                    allow(resp, vec![message]),
-                )
+                (Some(kind), "hold_failed_allowed", allow(resp, vec![message]))
             }
         }
     }
 }
 
 fn ips(pod: &PodFacts) -> String {
-    pod.ips
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
+    pod.ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }
 
 fn describe(errors: &[HoldError]) -> String {
-    errors
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ")
+    errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }

@@ -12,12 +12,7 @@ pub fn allow(mut resp: AdmissionResponse, warnings: Vec<String>) -> AdmissionRes
 }
 
 /// Deny with `code`: 429 makes `kubectl drain` and other eviction clients retry.
-pub fn deny(
-    resp: AdmissionResponse,
-    code: u16,
-    reason: &str,
-    message: String,
-) -> AdmissionResponse {
+pub fn deny(resp: AdmissionResponse, code: u16, reason: &str, message: String) -> AdmissionResponse {
     let mut resp = resp.deny(message);
     resp.result.status = Some(kube::core::response::StatusSummary::Failure);
     resp.result.code = code;

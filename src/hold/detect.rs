@@ -15,11 +15,7 @@ async fn serves_ip_reservations(client: &Client, group: CalicoApiGroup) -> bool 
 pub async fn detect_calico_api(client: &Client) -> CalicoApiGroup {
     let v1 = serves_ip_reservations(client, CalicoApiGroup::CrdV1).await;
     let v3 = serves_ip_reservations(client, CalicoApiGroup::V3).await;
-    let chosen = if v3 && !v1 {
-        CalicoApiGroup::V3
-    } else {
-        CalicoApiGroup::CrdV1
-    };
+    let chosen = if v3 && !v1 { CalicoApiGroup::V3 } else { CalicoApiGroup::CrdV1 };
     info!(crd_v1 = v1, v3, chosen = %chosen, "detected the Calico API");
     chosen
 }

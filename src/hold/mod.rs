@@ -38,17 +38,9 @@ pub struct Held {
 #[derive(Debug, thiserror::Error)]
 pub enum HoldError {
     #[error("reservation entry {cidr} in IPReservation {reservation}: {source}")]
-    Reservation {
-        cidr: String,
-        reservation: String,
-        source: CalicoError,
-    },
+    Reservation { cidr: String, reservation: String, source: CalicoError },
     #[error("record {record} for {ip}: {source}")]
-    Record {
-        record: String,
-        ip: IpAddr,
-        source: RecordError,
-    },
+    Record { record: String, ip: IpAddr, source: RecordError },
 }
 
 impl HoldError {
@@ -70,10 +62,7 @@ pub struct HoldStore {
 
 impl HoldStore {
     pub fn new(client: Client, calico: capo_api::CalicoApiGroup) -> Self {
-        Self {
-            reservations: Reservations::new(client.clone(), calico),
-            records: Records::new(client),
-        }
+        Self { reservations: Reservations::new(client.clone(), calico), records: Records::new(client) }
     }
 
     pub fn calico_api(&self) -> capo_api::CalicoApiGroup {
@@ -105,32 +94,18 @@ impl HoldStore {
             };
             async move {
                 let cidr = spec.cidr.clone();
-                let (entry, record) = tokio::join!(
-                    self.reservations.add(&reservation, req.policy, &cidr),
-                    self.records.record(spec)
-                );
+                let (entry, record) =
+                    tokio::join!(self.reservations.add(&reservation, req.policy, &cidr), self.records.record(spec));
                 let mut errors = Vec::new();
                 if let Err(source) = entry {
-                    errors.push(HoldError::Reservation {
-                        cidr,
-                        reservation: reservation.clone(),
-                        source,
-                    });
+                    errors.push(HoldError::Reservation { cidr, reservation: reservation.clone(), source });
                 }
                 match record {
                     Ok(outcome) if errors.is_empty() => {
-                        return Ok(Held {
-                            ip,
-                            reservation,
-                            record: outcome,
-                        });
+                        return Ok(Held { ip, reservation, record: outcome });
                     }
                     Ok(_) => {}
-                    Err(source) => errors.push(HoldError::Record {
-                        record: record_name(ip),
-                        ip,
-                        source,
-                    }),
+                    Err(source) => errors.push(HoldError::Record { record: record_name(ip), ip, source }),
                 }
                 Err(errors)
             }
@@ -143,10 +118,6 @@ impl HoldStore {
                 Err(e) => errors.extend(e),
             }
         }
-        if errors.is_empty() {
-            Ok(held)
-        } else {
-            Err(errors)
-        }
+        if errors.is_empty() { Ok(held) } else { Err(errors) }
     }
 }

@@ -33,9 +33,7 @@ pub enum RecordError {
 
 fn classify(e: KubeError) -> RecordError {
     match &e {
-        KubeError::Api(s)
-            if s.code == 404 && s.message.contains("could not find the requested resource") =>
-        {
+        KubeError::Api(s) if s.code == 404 && s.message.contains("could not find the requested resource") => {
             RecordError::NotServed
         }
         KubeError::Api(s) if s.code == 403 => RecordError::Forbidden(s.message.clone()),
@@ -50,26 +48,17 @@ pub struct Records {
 
 impl Records {
     pub fn new(client: Client) -> Self {
-        Self {
-            api: Api::all(client),
-        }
+        Self { api: Api::all(client) }
     }
 
     pub async fn record(&self, spec: ReservedIPSpec) -> Result<RecordOutcome, RecordError> {
         let ip = spec.ip.parse().map_err(|_| RecordError::Contention)?;
         let name = record_name(ip);
-        let labels = [
-            (MANAGED_BY_LABEL, MANAGED_BY_VALUE),
-            (POLICY_LABEL, spec.policy.as_str()),
-        ]
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .into();
+        let labels = [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, spec.policy.as_str())]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into();
         let fresh = ReservedIP {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                labels: Some(labels),
-                ..Default::default()
-            },
+            metadata: ObjectMeta { name: Some(name.clone()), labels: Some(labels), ..Default::default() },
             spec,
             status: None,
         };
@@ -86,15 +75,10 @@ impl Records {
             if existing.spec.pod.uid == fresh.spec.pod.uid {
                 return Ok(RecordOutcome::Kept);
             }
-            let previous_pod =
-                format!("{}/{}", existing.spec.pod.namespace, existing.spec.pod.name);
+            let previous_pod = format!("{}/{}", existing.spec.pod.namespace, existing.spec.pod.name);
             let mut replacement = fresh.clone();
             replacement.metadata.resource_version = existing.metadata.resource_version.clone();
-            match self
-                .api
-                .replace(&name, &PostParams::default(), &replacement)
-                .await
-            {
+            match self.api.replace(&name, &PostParams::default(), &replacement).await {
                 Ok(_) => return Ok(RecordOutcome::Replaced { previous_pod }),
                 Err(KubeError::Api(s)) if s.code == 409 || s.code == 404 => {}
                 Err(e) => return Err(classify(e)),

@@ -29,29 +29,18 @@ pub struct CompiledPolicy {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PolicyError {
     #[error("spec.{field}: {source}")]
-    Duration {
-        field: &'static str,
-        source: DurationError,
-    },
+    Duration { field: &'static str, source: DurationError },
     #[error("spec.{field}.{source}")]
-    Selector {
-        field: &'static str,
-        source: SelectorError,
-    },
+    Selector { field: &'static str, source: SelectorError },
     #[error("spec.{field} must be at least {min}")]
-    TooShort {
-        field: &'static str,
-        min: &'static str,
-    },
+    TooShort { field: &'static str, min: &'static str },
     #[error("spec.maxReserved must be at least 1")]
     ZeroMaxReserved,
     #[error("spec.podOverrides.minReserveFor ({min}) exceeds maxReserveFor ({max})")]
     InvertedBounds { min: String, max: String },
     #[error("a policy must select something: set namespaceSelector, podSelector or workloads")]
     SelectsNothing,
-    #[error(
-        "the policy name {0:?} is too long for its IPReservation name capo-<name> (253 characters at most)"
-    )]
+    #[error("the policy name {0:?} is too long for its IPReservation name capo-<name> (253 characters at most)")]
     NameTooLong(String),
 }
 
@@ -71,16 +60,12 @@ impl PolicyError {
 }
 
 fn duration(field: &'static str, raw: &str) -> Result<Duration, PolicyError> {
-    raw.parse::<capo_api::Duration>()
-        .map(|d| d.as_std())
-        .map_err(|source| PolicyError::Duration { field, source })
+    raw.parse::<capo_api::Duration>().map(|d| d.as_std()).map_err(|source| PolicyError::Duration { field, source })
 }
 
 fn selector(field: &'static str, sel: &Option<LabelSelector>) -> Result<(), PolicyError> {
     match sel {
-        Some(s) => s
-            .validate()
-            .map_err(|source| PolicyError::Selector { field, source }),
+        Some(s) => s.validate().map_err(|source| PolicyError::Selector { field, source }),
         None => Ok(()),
     }
 }
@@ -93,43 +78,26 @@ impl CompiledPolicy {
         if capo_api::keys::reservation_name(&name).len() > 253 {
             return Err(PolicyError::NameTooLong(name));
         }
-        if spec.namespace_selector.is_none()
-            && spec.pod_selector.is_none()
-            && spec.workloads.is_none()
-        {
+        if spec.namespace_selector.is_none() && spec.pod_selector.is_none() && spec.workloads.is_none() {
             return Err(PolicyError::SelectsNothing);
         }
         selector("namespaceSelector", &spec.namespace_selector)?;
         selector("podSelector", &spec.pod_selector)?;
         let reserve_for = duration("reserveFor", &spec.reserve_for)?;
         if reserve_for < Duration::from_secs(1) {
-            return Err(PolicyError::TooShort {
-                field: "reserveFor",
-                min: "1s",
-            });
+            return Err(PolicyError::TooShort { field: "reserveFor", min: "1s" });
         }
         let release_interval = duration("releaseInterval", &spec.release_interval)?;
         if spec.max_reserved == 0 {
             return Err(PolicyError::ZeroMaxReserved);
         }
         let o = &spec.pod_overrides;
-        let min = o
-            .min_reserve_for
-            .as_deref()
-            .map(|m| duration("podOverrides.minReserveFor", m))
-            .transpose()?;
-        let max = o
-            .max_reserve_for
-            .as_deref()
-            .map(|m| duration("podOverrides.maxReserveFor", m))
-            .transpose()?;
+        let min = o.min_reserve_for.as_deref().map(|m| duration("podOverrides.minReserveFor", m)).transpose()?;
+        let max = o.max_reserve_for.as_deref().map(|m| duration("podOverrides.maxReserveFor", m)).transpose()?;
         let reserve_for_bounds = match (min, max) {
             (None, None) => None,
             (min, max) => {
-                let (min, max) = (
-                    min.unwrap_or(Duration::from_secs(1)),
-                    max.unwrap_or(Duration::MAX),
-                );
+                let (min, max) = (min.unwrap_or(Duration::from_secs(1)), max.unwrap_or(Duration::MAX));
                 if min > max {
                     return Err(PolicyError::InvertedBounds {
                         min: o.min_reserve_for.clone().unwrap_or_default(),
@@ -191,16 +159,8 @@ mod tests {
     #[test]
     fn invalid_policies_say_what_is_wrong() {
         let cases = [
-            (
-                json!({"podSelector": {}, "reserveFor": "forever"}),
-                "InvalidDuration",
-                "spec.reserveFor",
-            ),
-            (
-                json!({"podSelector": {}, "reserveFor": "0s"}),
-                "InvalidDuration",
-                "at least 1s",
-            ),
+            (json!({"podSelector": {}, "reserveFor": "forever"}), "InvalidDuration", "spec.reserveFor"),
+            (json!({"podSelector": {}, "reserveFor": "0s"}), "InvalidDuration", "at least 1s"),
             (json!({}), "SelectsNothing", "must select something"),
             (
                 json!({"podSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}),
@@ -212,11 +172,7 @@ mod tests {
                 "InvalidOverrideBounds",
                 "exceeds",
             ),
-            (
-                json!({"podSelector": {}, "maxReserved": 0}),
-                "InvalidMaxReserved",
-                "maxReserved",
-            ),
+            (json!({"podSelector": {}, "maxReserved": 0}), "InvalidMaxReserved", "maxReserved"),
         ];
         for (spec, reason, text) in cases {
             let err = CompiledPolicy::compile(&policy("p", spec.clone())).unwrap_err();
@@ -227,14 +183,9 @@ mod tests {
 
     #[test]
     fn override_bounds_fill_in_an_open_end() {
-        let c = CompiledPolicy::compile(&policy(
-            "p",
-            json!({"podSelector": {}, "podOverrides": {"maxReserveFor": "2h"}}),
-        ))
-        .unwrap();
-        assert_eq!(
-            c.reserve_for_bounds,
-            Some((Duration::from_secs(1), Duration::from_secs(7200)))
-        );
+        let c =
+            CompiledPolicy::compile(&policy("p", json!({"podSelector": {}, "podOverrides": {"maxReserveFor": "2h"}})))
+                .unwrap();
+        assert_eq!(c.reserve_for_bounds, Some((Duration::from_secs(1), Duration::from_secs(7200))));
     }
 }

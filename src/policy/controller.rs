@@ -37,20 +37,12 @@ impl PolicyController {
         metrics: Arc<Metrics>,
         field_manager: String,
     ) -> Self {
-        Self {
-            client,
-            matcher,
-            readiness,
-            metrics,
-            field_manager,
-        }
+        Self { client, matcher, readiness, metrics, field_manager }
     }
 
     pub async fn run(self) {
         let api = Api::<CapoPolicy>::all(self.client.clone());
-        let mut events = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .boxed();
+        let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut policies: BTreeMap<String, CapoPolicy> = BTreeMap::new();
         let mut listing: BTreeMap<String, CapoPolicy> = BTreeMap::new();
         while let Some(event) = events.next().await {
@@ -95,14 +87,8 @@ impl PolicyController {
         let matcher = Matcher::new(usable);
         info!(ready, invalid, order = ?matcher.policies().iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), "policies loaded");
         self.matcher.store(Arc::new(matcher));
-        self.metrics
-            .policies
-            .with_label_values(&["ready"])
-            .set(ready as i64);
-        self.metrics
-            .policies
-            .with_label_values(&["invalid"])
-            .set(invalid as i64);
+        self.metrics.policies.with_label_values(&["ready"]).set(ready as i64);
+        self.metrics.policies.with_label_values(&["invalid"]).set(invalid as i64);
         self.readiness.set_policies_synced();
         for (policy, condition) in statuses {
             self.update_status(policy, condition).await;
@@ -113,30 +99,21 @@ impl PolicyController {
         let current = policy.status.clone().unwrap_or_default();
         let existing = current.condition(READY_CONDITION);
         let generation = policy.metadata.generation;
-        if let Some(old) = existing {
-            if old.status == condition.status
-                && old.reason == condition.reason
-                && old.message == condition.message
-            {
-                if current.observed_generation == generation
-                    && old.observed_generation == generation
-                {
-                    return;
-                }
-                condition.last_transition_time = old.last_transition_time.clone();
+        if let Some(old) = existing
+            && old.status == condition.status
+            && old.reason == condition.reason
+            && old.message == condition.message
+        {
+            if current.observed_generation == generation && old.observed_generation == generation {
+                return;
             }
+            condition.last_transition_time = old.last_transition_time.clone();
         }
-        let status = CapoPolicyStatus {
-            observed_generation: generation,
-            conditions: vec![condition],
-        };
+        let status = CapoPolicyStatus { observed_generation: generation, conditions: vec![condition] };
         let api = Api::<CapoPolicy>::all(self.client.clone());
         let patch = Patch::Merge(serde_json::json!({ "status": status }));
         let name = policy.name_any();
-        if let Err(e) = api
-            .patch_status(&name, &PatchParams::apply(&self.field_manager), &patch)
-            .await
-        {
+        if let Err(e) = api.patch_status(&name, &PatchParams::apply(&self.field_manager), &patch).await {
             warn!(policy = %name, error = %e, "could not update CapoPolicy status");
         }
     }
@@ -144,16 +121,8 @@ impl PolicyController {
 
 fn desired_condition(policy: &CapoPolicy, error: Option<&PolicyError>) -> Condition {
     let (status, reason, message) = match error {
-        None => (
-            "True",
-            "Compiled",
-            "the policy is loaded and in use".to_string(),
-        ),
-        Some(e) => (
-            "False",
-            e.reason(),
-            format!("{e}; capo ignores this policy until it is fixed"),
-        ),
+        None => ("True", "Compiled", "the policy is loaded and in use".to_string()),
+        Some(e) => ("False", e.reason(), format!("{e}; capo ignores this policy until it is fixed")),
     };
     Condition {
         type_: READY_CONDITION.to_string(),

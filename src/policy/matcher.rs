@@ -65,11 +65,7 @@ impl SkipReason {
 impl Matcher {
     pub fn new(policies: impl IntoIterator<Item = CompiledPolicy>) -> Self {
         let mut policies: Vec<Arc<CompiledPolicy>> = policies.into_iter().map(Arc::new).collect();
-        policies.sort_by(|a, b| {
-            b.priority
-                .cmp(&a.priority)
-                .then_with(|| a.name.cmp(&b.name))
-        });
+        policies.sort_by(|a, b| b.priority.cmp(&a.priority).then_with(|| a.name.cmp(&b.name)));
         Self { policies }
     }
 
@@ -97,21 +93,13 @@ impl Matcher {
             return Decision::Skip(SkipReason::NotSelected);
         };
         if policy.skip.namespace_terminating && ctx.namespace_terminating {
-            return Decision::Skip(SkipReason::NamespaceTerminating {
-                policy: policy.name.clone(),
-            });
+            return Decision::Skip(SkipReason::NamespaceTerminating { policy: policy.name.clone() });
         }
         if policy.skip.owner_deleted && ctx.by_garbage_collector {
-            return Decision::Skip(SkipReason::OwnerDeleted {
-                policy: policy.name.clone(),
-            });
+            return Decision::Skip(SkipReason::OwnerDeleted { policy: policy.name.clone() });
         }
         let reserve_for = reserve_for(pod, policy, &mut warnings);
-        Decision::Hold(HoldPlan {
-            policy: policy.clone(),
-            reserve_for,
-            warnings,
-        })
+        Decision::Hold(HoldPlan { policy: policy.clone(), reserve_for, warnings })
     }
 
     fn choose(
@@ -121,37 +109,23 @@ impl Matcher {
         opt_in: bool,
         warnings: &mut Vec<String>,
     ) -> Option<&Arc<CompiledPolicy>> {
-        let ns_ok = |p: &CompiledPolicy| {
-            p.namespace_selector
-                .as_ref()
-                .is_none_or(|s| s.matches(ctx.namespace_labels))
-        };
+        let ns_ok = |p: &CompiledPolicy| p.namespace_selector.as_ref().is_none_or(|s| s.matches(ctx.namespace_labels));
         if let Some(name) = pod.annotations.get(POLICY_ANNOTATION) {
             match self.get(name) {
                 Some(p) if p.allow_opt_in && ns_ok(p) => return Some(p),
-                Some(p) if !p.allow_opt_in => warnings.push(format!(
-                    "capo: policy {name} does not allow opt-in by annotation"
-                )),
-                Some(_) => warnings.push(format!(
-                    "capo: policy {name} does not cover namespace {}",
-                    pod.namespace
-                )),
-                None => warnings.push(format!(
-                    "capo: policy {name} named by {POLICY_ANNOTATION} is not loaded"
-                )),
+                Some(p) if !p.allow_opt_in => {
+                    warnings.push(format!("capo: policy {name} does not allow opt-in by annotation"))
+                }
+                Some(_) => warnings.push(format!("capo: policy {name} does not cover namespace {}", pod.namespace)),
+                None => warnings.push(format!("capo: policy {name} named by {POLICY_ANNOTATION} is not loaded")),
             }
-        } else if opt_in && let Some(p) = self.policies.iter().find(|p| p.allow_opt_in && ns_ok(p))
-        {
+        } else if opt_in && let Some(p) = self.policies.iter().find(|p| p.allow_opt_in && ns_ok(p)) {
             return Some(p);
         }
         self.policies.iter().find(|p| {
             ns_ok(p)
-                && p.pod_selector
-                    .as_ref()
-                    .is_none_or(|s| s.matches(&pod.labels))
-                && p.workloads
-                    .as_ref()
-                    .is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))
+                && p.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
+                && p.workloads.as_ref().is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))
         })
     }
 }
@@ -171,10 +145,7 @@ fn controlled_by(pod: &PodFacts, w: &WorkloadRef) -> bool {
         WorkloadKind::DaemonSet => kind == "DaemonSet" && *name == w.name,
         WorkloadKind::Deployment => {
             kind == "ReplicaSet"
-                && pod
-                    .labels
-                    .get("pod-template-hash")
-                    .is_some_and(|hash| *name == format!("{}-{hash}", w.name))
+                && pod.labels.get("pod-template-hash").is_some_and(|hash| *name == format!("{}-{hash}", w.name))
         }
     }
 }
@@ -235,18 +206,11 @@ mod tests {
     }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
     fn ctx(ns: &BTreeMap<String, String>) -> RequestContext<'_> {
-        RequestContext {
-            namespace_labels: ns,
-            namespace_terminating: false,
-            by_garbage_collector: false,
-        }
+        RequestContext { namespace_labels: ns, namespace_terminating: false, by_garbage_collector: false }
     }
 
     fn held_by(d: &Decision) -> Option<&str> {
@@ -264,10 +228,7 @@ mod tests {
         )]);
         let enabled = labels(&[("ip-reserve", "enabled")]);
         let plain = labels(&[]);
-        assert_eq!(
-            held_by(&m.decide(&pod(json!({"app": "redis"}), json!({})), &ctx(&enabled))),
-            Some("redis")
-        );
+        assert_eq!(held_by(&m.decide(&pod(json!({"app": "redis"}), json!({})), &ctx(&enabled))), Some("redis"));
         assert_eq!(
             m.decide(&pod(json!({"app": "redis"}), json!({})), &ctx(&plain)),
             Decision::Skip(SkipReason::NotSelected)
@@ -286,18 +247,9 @@ mod tests {
             compiled("a-low", json!({"podSelector": {}, "priority": 1})),
         ]);
         let ns = labels(&[]);
-        assert_eq!(
-            held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))),
-            Some("z-high")
-        );
-        let m = Matcher::new([
-            compiled("b", json!({"podSelector": {}})),
-            compiled("a", json!({"podSelector": {}})),
-        ]);
-        assert_eq!(
-            held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))),
-            Some("a")
-        );
+        assert_eq!(held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))), Some("z-high"));
+        let m = Matcher::new([compiled("b", json!({"podSelector": {}})), compiled("a", json!({"podSelector": {}}))]);
+        assert_eq!(held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))), Some("a"));
     }
 
     #[test]
@@ -307,33 +259,15 @@ mod tests {
                 "strict",
                 json!({"podSelector": {"matchLabels": {"never": "x"}}, "podOverrides": {"allowOptIn": false}}),
             ),
-            compiled(
-                "open",
-                json!({"podSelector": {"matchLabels": {"never": "x"}}}),
-            ),
+            compiled("open", json!({"podSelector": {"matchLabels": {"never": "x"}}})),
         ]);
         let ns = labels(&[]);
-        assert_eq!(
-            held_by(&m.decide(
-                &pod(json!({}), json!({"capo.io/policy": "open"})),
-                &ctx(&ns)
-            )),
-            Some("open")
-        );
-        assert_eq!(
-            held_by(&m.decide(&pod(json!({}), json!({"capo.io/hold": "true"})), &ctx(&ns))),
-            Some("open")
-        );
-        assert_eq!(
-            m.decide(&pod(json!({}), json!({})), &ctx(&ns)),
-            Decision::Skip(SkipReason::NotSelected)
-        );
+        assert_eq!(held_by(&m.decide(&pod(json!({}), json!({"capo.io/policy": "open"})), &ctx(&ns))), Some("open"));
+        assert_eq!(held_by(&m.decide(&pod(json!({}), json!({"capo.io/hold": "true"})), &ctx(&ns))), Some("open"));
+        assert_eq!(m.decide(&pod(json!({}), json!({})), &ctx(&ns)), Decision::Skip(SkipReason::NotSelected));
         // A policy that refuses opt-in is not chosen by naming it.
         assert_eq!(
-            m.decide(
-                &pod(json!({}), json!({"capo.io/policy": "strict"})),
-                &ctx(&ns)
-            ),
+            m.decide(&pod(json!({}), json!({"capo.io/policy": "strict"})), &ctx(&ns)),
             Decision::Skip(SkipReason::NotSelected)
         );
         let m = Matcher::new([compiled("all", json!({"podSelector": {}}))]);
@@ -355,10 +289,7 @@ mod tests {
             d => panic!("{d:?}"),
         };
         let p = plan(json!({"capo.io/reserve-for": "1h"}));
-        assert_eq!(
-            (p.reserve_for, p.warnings.len()),
-            (Duration::from_secs(3600), 0)
-        );
+        assert_eq!((p.reserve_for, p.warnings.len()), (Duration::from_secs(3600), 0));
         let p = plan(json!({"capo.io/reserve-for": "24h"}));
         assert_eq!(p.reserve_for, Duration::from_secs(7200));
         assert!(p.warnings[0].contains("outside"), "{:?}", p.warnings);
@@ -366,14 +297,10 @@ mod tests {
         assert_eq!(p.reserve_for, Duration::from_secs(2400));
         assert!(p.warnings[0].contains("ignored"));
         let m = Matcher::new([compiled("fixed", json!({"podSelector": {}}))]);
-        match m.decide(
-            &pod(json!({}), json!({"capo.io/reserve-for": "1h"})),
-            &ctx(&ns),
-        ) {
-            Decision::Hold(p) => assert!(
-                p.reserve_for == Duration::from_secs(2400)
-                    && p.warnings[0].contains("allows no override")
-            ),
+        match m.decide(&pod(json!({}), json!({"capo.io/reserve-for": "1h"})), &ctx(&ns)) {
+            Decision::Hold(p) => {
+                assert!(p.reserve_for == Duration::from_secs(2400) && p.warnings[0].contains("allows no override"))
+            }
             d => panic!("{d:?}"),
         }
     }
@@ -385,18 +312,12 @@ mod tests {
             json!({"workloads": [{"kind": "StatefulSet", "namespace": "shop", "name": "web"}]}),
         )]);
         let ns = labels(&[]);
-        assert_eq!(
-            held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))),
-            Some("sts")
-        );
+        assert_eq!(held_by(&m.decide(&pod(json!({}), json!({})), &ctx(&ns))), Some("sts"));
         let m = Matcher::new([compiled(
             "other",
             json!({"workloads": [{"kind": "StatefulSet", "namespace": "shop", "name": "db"}]}),
         )]);
-        assert_eq!(
-            m.decide(&pod(json!({}), json!({})), &ctx(&ns)),
-            Decision::Skip(SkipReason::NotSelected)
-        );
+        assert_eq!(m.decide(&pod(json!({}), json!({})), &ctx(&ns)), Decision::Skip(SkipReason::NotSelected));
 
         let deploy_pod = PodFacts::from_json(&json!({
             "metadata": {"name": "api-7d9-x", "namespace": "shop", "labels": {"pod-template-hash": "7d9"},
@@ -415,45 +336,21 @@ mod tests {
     fn skip_rules_and_unholdable_pods() {
         let m = Matcher::new([compiled("p", json!({"podSelector": {}}))]);
         let ns = labels(&[]);
-        let terminating = RequestContext {
-            namespace_labels: &ns,
-            namespace_terminating: true,
-            by_garbage_collector: false,
-        };
+        let terminating =
+            RequestContext { namespace_labels: &ns, namespace_terminating: true, by_garbage_collector: false };
         assert!(matches!(
             m.decide(&pod(json!({}), json!({})), &terminating),
             Decision::Skip(SkipReason::NamespaceTerminating { .. })
         ));
-        let gc = RequestContext {
-            namespace_labels: &ns,
-            namespace_terminating: false,
-            by_garbage_collector: true,
-        };
-        assert!(matches!(
-            m.decide(&pod(json!({}), json!({})), &gc),
-            Decision::Skip(SkipReason::OwnerDeleted { .. })
-        ));
-        let m2 = Matcher::new([compiled(
-            "keep",
-            json!({"podSelector": {}, "skip": {"ownerDeleted": false}}),
-        )]);
-        assert_eq!(
-            held_by(&m2.decide(&pod(json!({}), json!({})), &gc)),
-            Some("keep")
-        );
+        let gc = RequestContext { namespace_labels: &ns, namespace_terminating: false, by_garbage_collector: true };
+        assert!(matches!(m.decide(&pod(json!({}), json!({})), &gc), Decision::Skip(SkipReason::OwnerDeleted { .. })));
+        let m2 = Matcher::new([compiled("keep", json!({"podSelector": {}, "skip": {"ownerDeleted": false}}))]);
+        assert_eq!(held_by(&m2.decide(&pod(json!({}), json!({})), &gc)), Some("keep"));
 
         let no_ip = PodFacts::from_json(&json!({"metadata": {"name": "x"}})).unwrap();
-        assert_eq!(
-            m.decide(&no_ip, &ctx(&ns)),
-            Decision::Skip(SkipReason::NoIps)
-        );
-        let host = PodFacts::from_json(
-            &json!({"spec": {"hostNetwork": true}, "status": {"podIP": "10.1.1.1"}}),
-        )
-        .unwrap();
-        assert_eq!(
-            m.decide(&host, &ctx(&ns)),
-            Decision::Skip(SkipReason::HostNetwork)
-        );
+        assert_eq!(m.decide(&no_ip, &ctx(&ns)), Decision::Skip(SkipReason::NoIps));
+        let host =
+            PodFacts::from_json(&json!({"spec": {"hostNetwork": true}, "status": {"podIP": "10.1.1.1"}})).unwrap();
+        assert_eq!(m.decide(&host, &ctx(&ns)), Decision::Skip(SkipReason::HostNetwork));
     }
 }

@@ -6,14 +6,8 @@ use std::process::Command;
 
 use crate::Error;
 
-pub const COMPONENTS: [&str; 6] = [
-    "etcd",
-    "kube-apiserver",
-    "kube-controller-manager",
-    "kube-scheduler",
-    "kwok",
-    "kwok-stages.yaml",
-];
+pub const COMPONENTS: [&str; 6] =
+    ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kwok-stages.yaml"];
 
 pub fn locate() -> Result<PathBuf, Error> {
     if let Some(dir) = std::env::var_os("CAPO_TESTENV_BIN") {
@@ -26,15 +20,9 @@ pub fn locate() -> Result<PathBuf, Error> {
         .arg(&script)
         .stderr(std::process::Stdio::inherit())
         .output()
-        .map_err(|source| Error::Io {
-            path: script.clone(),
-            source,
-        })?;
+        .map_err(|source| Error::Io { path: script.clone(), source })?;
     if !out.status.success() {
-        return Err(Error::Build {
-            script,
-            status: out.status.to_string(),
-        });
+        return Err(Error::Build { script, status: out.status.to_string() });
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     let dir = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());

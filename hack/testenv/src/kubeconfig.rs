@@ -25,8 +25,5 @@ pub fn write(path: &Path, server: &str, pki: &Pki) -> Result<(), Error> {
         "current-context": "capo-testenv",
     });
     let yaml = serde_yaml::to_string(&config).expect("kubeconfig serializes");
-    std::fs::write(path, yaml).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::write(path, yaml).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }

@@ -27,33 +27,17 @@ use process::Component;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("generating the {what}: {source}")]
-    Certificate {
-        what: &'static str,
-        source: rcgen::Error,
-    },
+    Certificate { what: &'static str, source: rcgen::Error },
     #[error("{script} failed ({status}); see its output above")]
     Build { script: PathBuf, status: String },
-    #[error(
-        "control-plane binary {path} is missing; run hack/build-controlplane.sh or unset CAPO_TESTENV_BIN"
-    )]
+    #[error("control-plane binary {path} is missing; run hack/build-controlplane.sh or unset CAPO_TESTENV_BIN")]
     MissingBinary { path: PathBuf },
     #[error("{component} exited ({status}); its log is {log}")]
-    Exited {
-        component: &'static str,
-        status: String,
-        log: PathBuf,
-    },
+    Exited { component: &'static str, status: String, log: PathBuf },
     #[error("timed out after {after:?} waiting for {what}; logs are in {state_dir}")]
-    Timeout {
-        what: String,
-        after: Duration,
-        state_dir: PathBuf,
-    },
+    Timeout { what: String, after: Duration, state_dir: PathBuf },
     #[error("kubeconfig {path}: {message}")]
     Kubeconfig { path: PathBuf, message: String },
     #[error("Kubernetes API: {0}")]
@@ -79,16 +63,8 @@ pub struct ControlPlane {
 }
 
 fn free_port() -> Result<u16, Error> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io {
-        path: "127.0.0.1:0".into(),
-        source,
-    })?;
-    Ok(l.local_addr()
-        .map_err(|source| Error::Io {
-            path: "127.0.0.1:0".into(),
-            source,
-        })?
-        .port())
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io { path: "127.0.0.1:0".into(), source })?;
+    Ok(l.local_addr().map_err(|source| Error::Io { path: "127.0.0.1:0".into(), source })?.port())
 }
 
 fn path_arg(flag: &str, path: &Path) -> String {
@@ -117,12 +93,8 @@ impl ControlPlane {
         let server = format!("https://127.0.0.1:{api_port}");
         let kubeconfig = state.join("kubeconfig");
         kubeconfig::write(&kubeconfig, &server, &pki)?;
-        let mut cp = ControlPlane {
-            state_dir: state.clone(),
-            kubeconfig: kubeconfig.clone(),
-            server,
-            components: vec![],
-        };
+        let mut cp =
+            ControlPlane { state_dir: state.clone(), kubeconfig: kubeconfig.clone(), server, components: vec![] };
 
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
@@ -165,10 +137,7 @@ impl ControlPlane {
                 "--v=1".into(),
             ],
         )?;
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(io(&state))?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io(&state))?;
         rt.block_on(cp.wait_api_ready(Duration::from_secs(90)))?;
 
         let kcm_port = free_port()?;
@@ -224,8 +193,7 @@ impl ControlPlane {
         rt.block_on(async {
             let client = cp.client().await?;
             nodes::create(&client, opts.nodes).await?;
-            cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60))
-                .await
+            cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60)).await
         })?;
         Ok(cp)
     }
@@ -247,17 +215,11 @@ impl ControlPlane {
 
     fn check_components(&mut self) -> Result<(), Error> {
         let state = self.state_dir.clone();
-        self.components
-            .iter_mut()
-            .try_for_each(|c| c.ensure_running(&state))
+        self.components.iter_mut().try_for_each(|c| c.ensure_running(&state))
     }
 
     fn timeout(&self, what: &str, after: Duration) -> Error {
-        Error::Timeout {
-            what: what.to_string(),
-            after,
-            state_dir: self.state_dir.clone(),
-        }
+        Error::Timeout { what: what.to_string(), after, state_dir: self.state_dir.clone() }
     }
 
     async fn wait_api_ready(&mut self, limit: Duration) -> Result<(), Error> {
@@ -265,14 +227,8 @@ impl ControlPlane {
         loop {
             self.check_components()?;
             if let Ok(client) = self.client().await {
-                let req = http::Request::get("/readyz")
-                    .body(Vec::new())
-                    .expect("static request");
-                if client
-                    .request_text(req)
-                    .await
-                    .is_ok_and(|body| body.trim() == "ok")
-                {
+                let req = http::Request::get("/readyz").body(Vec::new()).expect("static request");
+                if client.request_text(req).await.is_ok_and(|body| body.trim() == "ok") {
                     return Ok(());
                 }
             }
@@ -283,12 +239,7 @@ impl ControlPlane {
         }
     }
 
-    async fn wait_nodes_ready(
-        &mut self,
-        client: &Client,
-        count: usize,
-        limit: Duration,
-    ) -> Result<(), Error> {
+    async fn wait_nodes_ready(&mut self, client: &Client, count: usize, limit: Duration) -> Result<(), Error> {
         let deadline = Instant::now() + limit;
         loop {
             self.check_components()?;
@@ -318,18 +269,19 @@ impl Drop for ControlPlane {
 
 /// A client for the admin kubeconfig at `path`.
 pub async fn client_from_kubeconfig(path: &Path) -> Result<Client, Error> {
-    let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| Error::Kubeconfig {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
-    let config =
-        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-            .await
-            .map_err(|e| Error::Kubeconfig {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
-    Ok(Client::try_from(config)?)
+    Ok(Client::try_from(config_from_kubeconfig(path).await?)?)
+}
+
+/// The client configuration for the kubeconfig at `path`. Tests see every answer as the
+/// server gave it: the client's automatic retry of 429/503 answers is off.
+pub async fn config_from_kubeconfig(path: &Path) -> Result<kube::Config, Error> {
+    let kc = kube::config::Kubeconfig::read_from(path)
+        .map_err(|e| Error::Kubeconfig { path: path.to_path_buf(), message: e.to_string() })?;
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+        .await
+        .map_err(|e| Error::Kubeconfig { path: path.to_path_buf(), message: e.to_string() })?;
+    config.default_retry = false;
+    Ok(config)
 }
 
 /// Where a test binary's control plane keeps its state; stale ones (their test binary is
@@ -345,9 +297,7 @@ fn sweep_stale(root: &Path) {
         return;
     };
     for entry in entries.flatten() {
-        let pid = std::fs::read_to_string(entry.path().join("pid"))
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok());
+        let pid = std::fs::read_to_string(entry.path().join("pid")).ok().and_then(|s| s.trim().parse::<i32>().ok());
         if pid.is_none_or(|pid| !process::alive(pid)) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
@@ -363,9 +313,7 @@ pub struct Shared {
 
 impl Shared {
     pub async fn client(&self) -> Client {
-        client_from_kubeconfig(&self.kubeconfig)
-            .await
-            .expect("client for the test control plane")
+        client_from_kubeconfig(&self.kubeconfig).await.expect("client for the test control plane")
     }
 }
 
@@ -384,27 +332,18 @@ extern "C" fn remove_state_at_exit() {
 pub fn shared() -> &'static Shared {
     SHARED.get_or_init(|| {
         if let Some(path) = std::env::var_os("CAPO_TEST_KUBECONFIG") {
-            return Shared {
-                kubeconfig: PathBuf::from(path),
-                state_dir: None,
-            };
+            return Shared { kubeconfig: PathBuf::from(path), state_dir: None };
         }
         let root = test_state_root();
         sweep_stale(&root);
         let state_dir = root.join(format!("{}", std::process::id()));
         let (tx, rx) = std::sync::mpsc::channel();
-        let opts = Options {
-            state_dir: state_dir.clone(),
-            nodes: 2,
-        };
+        let opts = Options { state_dir: state_dir.clone(), nodes: 2 };
         std::thread::Builder::new()
             .name("capo-testenv".into())
             .spawn(move || {
                 let started = ControlPlane::start(opts);
-                let result = started
-                    .as_ref()
-                    .map(|cp| cp.kubeconfig.clone())
-                    .map_err(|e| e.to_string());
+                let result = started.as_ref().map(|cp| cp.kubeconfig.clone()).map_err(|e| e.to_string());
                 let _ = tx.send(result);
                 // Keep the processes' parent thread alive for the life of the process;
                 // PR_SET_PDEATHSIG kills them when it goes.
@@ -414,19 +353,13 @@ pub fn shared() -> &'static Shared {
                 }
             })
             .expect("spawn the testenv thread");
-        let kubeconfig = rx
-            .recv()
-            .expect("testenv thread")
-            .unwrap_or_else(|e| panic!("test control plane: {e}"));
+        let kubeconfig = rx.recv().expect("testenv thread").unwrap_or_else(|e| panic!("test control plane: {e}"));
         let _ = STATE_DIR.set(state_dir.clone());
         // SAFETY: registering a plain extern "C" fn with no captured state.
         unsafe {
             libc::atexit(remove_state_at_exit);
         }
-        Shared {
-            kubeconfig,
-            state_dir: Some(state_dir),
-        }
+        Shared { kubeconfig, state_dir: Some(state_dir) }
     })
 }
 
@@ -440,20 +373,14 @@ impl TestNamespace {
         Self::create_with_labels(client, prefix, &[]).await
     }
 
-    pub async fn create_with_labels(
-        client: &Client,
-        prefix: &str,
-        labels: &[(&str, &str)],
-    ) -> TestNamespace {
+    pub async fn create_with_labels(client: &Client, prefix: &str, labels: &[(&str, &str)]) -> TestNamespace {
         use k8s_openapi::api::core::v1::Namespace;
         use kube::api::{Api, PostParams};
         static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = format!("{prefix}-{}-{n}", std::process::id() % 100_000);
-        let mut all: std::collections::BTreeMap<String, String> = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let mut all: std::collections::BTreeMap<String, String> =
+            labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         all.insert("capo-test".into(), "true".into());
         let ns: Namespace = serde_json::from_value(serde_json::json!({
             "metadata": { "name": name, "labels": all }

@@ -47,9 +47,7 @@ pub async fn create(client: &Client, count: usize) -> Result<(), Error> {
 }
 
 pub async fn ready_count(client: &Client) -> Result<usize, Error> {
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&ListParams::default().labels("type=kwok"))
-        .await?;
+    let nodes = Api::<Node>::all(client.clone()).list(&ListParams::default().labels("type=kwok")).await?;
     Ok(nodes
         .items
         .iter()

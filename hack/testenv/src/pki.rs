@@ -4,8 +4,7 @@
 use std::path::Path;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 
 use crate::Error;
@@ -23,20 +22,12 @@ fn cert_err(what: &'static str) -> impl Fn(rcgen::Error) -> Error {
 /// Writes `ca.crt`, `apiserver.{crt,key}`, `admin.{crt,key}` and `sa.{key,pub}` into `dir`.
 pub fn write(dir: &Path) -> Result<Pki, Error> {
     let ca_key = KeyPair::generate().map_err(cert_err("CA key"))?;
-    let mut ca_params =
-        CertificateParams::new(Vec::<String>::new()).map_err(cert_err("CA params"))?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("CA params"))?;
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "capo-testenv-ca");
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_cert = ca_params
-        .self_signed(&ca_key)
-        .map_err(cert_err("CA certificate"))?;
+    ca_params.distinguished_name.push(DnType::CommonName, "capo-testenv-ca");
+    ca_params.key_usages =
+        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let ca_cert = ca_params.self_signed(&ca_key).map_err(cert_err("CA certificate"))?;
     let ca = Issuer::new(ca_params, ca_key);
 
     let serving_key = KeyPair::generate().map_err(cert_err("serving key"))?;
@@ -49,35 +40,20 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
         "kubernetes.default.svc".to_string(),
     ])
     .map_err(cert_err("serving params"))?;
-    serving
-        .distinguished_name
-        .push(DnType::CommonName, "kube-apiserver");
+    serving.distinguished_name.push(DnType::CommonName, "kube-apiserver");
     serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let serving_cert = serving
-        .signed_by(&serving_key, &ca)
-        .map_err(cert_err("serving certificate"))?;
+    let serving_cert = serving.signed_by(&serving_key, &ca).map_err(cert_err("serving certificate"))?;
 
     let admin_key = KeyPair::generate().map_err(cert_err("admin key"))?;
-    let mut admin =
-        CertificateParams::new(Vec::<String>::new()).map_err(cert_err("admin params"))?;
-    admin
-        .distinguished_name
-        .push(DnType::CommonName, "capo-testenv-admin");
-    admin
-        .distinguished_name
-        .push(DnType::OrganizationName, "system:masters");
+    let mut admin = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("admin params"))?;
+    admin.distinguished_name.push(DnType::CommonName, "capo-testenv-admin");
+    admin.distinguished_name.push(DnType::OrganizationName, "system:masters");
     admin.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let admin_cert = admin
-        .signed_by(&admin_key, &ca)
-        .map_err(cert_err("admin certificate"))?;
+    let admin_cert = admin.signed_by(&admin_key, &ca).map_err(cert_err("admin certificate"))?;
 
     let sa_key = KeyPair::generate().map_err(cert_err("service-account key"))?;
 
-    let pki = Pki {
-        ca_pem: ca_cert.pem(),
-        admin_cert_pem: admin_cert.pem(),
-        admin_key_pem: admin_key.serialize_pem(),
-    };
+    let pki = Pki { ca_pem: ca_cert.pem(), admin_cert_pem: admin_cert.pem(), admin_key_pem: admin_key.serialize_pem() };
     let files = [
         ("ca.crt", pki.ca_pem.clone()),
         ("apiserver.crt", serving_cert.pem()),
@@ -89,10 +65,7 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
     ];
     for (name, pem) in files {
         let path = dir.join(name);
-        std::fs::write(&path, pem).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
+        std::fs::write(&path, pem).map_err(|source| Error::Io { path: path.clone(), source })?;
     }
     Ok(pki)
 }

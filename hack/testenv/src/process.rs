@@ -16,27 +16,13 @@ pub struct Component {
 }
 
 impl Component {
-    pub fn spawn(
-        name: &'static str,
-        bin_dir: &Path,
-        args: &[String],
-        state_dir: &Path,
-    ) -> Result<Self, Error> {
+    pub fn spawn(name: &'static str, bin_dir: &Path, args: &[String], state_dir: &Path) -> Result<Self, Error> {
         let log_path = state_dir.join(format!("{name}.log"));
-        let log = File::create(&log_path).map_err(|source| Error::Io {
-            path: log_path.clone(),
-            source,
-        })?;
-        let log_err = log.try_clone().map_err(|source| Error::Io {
-            path: log_path.clone(),
-            source,
-        })?;
+        let log = File::create(&log_path).map_err(|source| Error::Io { path: log_path.clone(), source })?;
+        let log_err = log.try_clone().map_err(|source| Error::Io { path: log_path.clone(), source })?;
         let bin = bin_dir.join(name);
         let mut cmd = Command::new(&bin);
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err);
+        cmd.args(args).stdin(Stdio::null()).stdout(log).stderr(log_err);
         // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
@@ -46,9 +32,7 @@ impl Component {
                 Ok(())
             });
         }
-        let child = cmd
-            .spawn()
-            .map_err(|source| Error::Io { path: bin, source })?;
+        let child = cmd.spawn().map_err(|source| Error::Io { path: bin, source })?;
         Ok(Self { name, child })
     }
 

@@ -20,12 +20,7 @@ fn main() {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--state-dir" => state_dir = PathBuf::from(it.next().unwrap_or_else(|| fail(USAGE))),
-            "--nodes" => {
-                nodes = it
-                    .next()
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or_else(|| fail(USAGE))
-            }
+            "--nodes" => nodes = it.next().and_then(|n| n.parse().ok()).unwrap_or_else(|| fail(USAGE)),
             "up" | "down" | "status" | "serve" => cmd = Some(a.clone()),
             _ => fail(USAGE),
         }
@@ -45,27 +40,19 @@ fn fail(msg: &str) -> ! {
 }
 
 fn supervisor_pid(state_dir: &Path) -> Option<i32> {
-    let pid = std::fs::read_to_string(state_dir.join("supervisor.pid"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
+    let pid = std::fs::read_to_string(state_dir.join("supervisor.pid")).ok()?.trim().parse().ok()?;
     // SAFETY: signal 0 only checks that the process exists.
     (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
 }
 
 fn up(state_dir: &Path, nodes: usize) {
     if supervisor_pid(state_dir).is_some() {
-        println!(
-            "export KUBECONFIG={}",
-            abs(state_dir).join("kubeconfig").display()
-        );
+        println!("export KUBECONFIG={}", abs(state_dir).join("kubeconfig").display());
         eprintln!("capo-testenv: already running in {}", state_dir.display());
         return;
     }
     let _ = std::fs::remove_dir_all(state_dir);
-    std::fs::create_dir_all(state_dir)
-        .unwrap_or_else(|e| fail(&format!("{}: {e}", state_dir.display())));
+    std::fs::create_dir_all(state_dir).unwrap_or_else(|e| fail(&format!("{}: {e}", state_dir.display())));
     let state_dir = abs(state_dir);
     let log_path = state_dir.join("supervisor.log");
     let log = std::fs::File::create(&log_path).unwrap_or_else(|e| fail(&e.to_string()));
@@ -73,15 +60,10 @@ fn up(state_dir: &Path, nodes: usize) {
     let mut child = {
         use std::os::unix::process::CommandExt;
         let mut c = Command::new(exe);
-        c.args(["serve", "--state-dir"])
-            .arg(&state_dir)
-            .args(["--nodes", &nodes.to_string()]);
-        c.stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
+        c.args(["serve", "--state-dir"]).arg(&state_dir).args(["--nodes", &nodes.to_string()]);
+        c.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
         c.process_group(0);
-        c.spawn()
-            .unwrap_or_else(|e| fail(&format!("starting the supervisor: {e}")))
+        c.spawn().unwrap_or_else(|e| fail(&format!("starting the supervisor: {e}")))
     };
     let started = Instant::now();
     let deadline = started + Duration::from_secs(30 * 60); // a cold build of the binaries included
@@ -91,9 +73,7 @@ fn up(state_dir: &Path, nodes: usize) {
         }
         if let Ok(Some(status)) = child.try_wait() {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            fail(&format!(
-                "the control plane did not start ({status}):\n{log}"
-            ));
+            fail(&format!("the control plane did not start ({status}):\n{log}"));
         }
         if Instant::now() > deadline {
             fail(&format!("timed out; see {}", log_path.display()));
@@ -105,31 +85,19 @@ fn up(state_dir: &Path, nodes: usize) {
         started.elapsed().as_secs_f64(),
         state_dir.display()
     );
-    println!(
-        "export KUBECONFIG={}",
-        state_dir.join("kubeconfig").display()
-    );
+    println!("export KUBECONFIG={}", state_dir.join("kubeconfig").display());
 }
 
 fn serve(state_dir: &Path, nodes: usize) {
-    std::fs::write(
-        state_dir.join("supervisor.pid"),
-        std::process::id().to_string(),
-    )
-    .unwrap_or_else(|e| fail(&e.to_string()));
-    let cp = ControlPlane::start(Options {
-        state_dir: state_dir.to_path_buf(),
-        nodes,
-    })
-    .unwrap_or_else(|e| fail(&e.to_string()));
+    std::fs::write(state_dir.join("supervisor.pid"), std::process::id().to_string())
+        .unwrap_or_else(|e| fail(&e.to_string()));
+    let cp = ControlPlane::start(Options { state_dir: state_dir.to_path_buf(), nodes })
+        .unwrap_or_else(|e| fail(&e.to_string()));
     for (name, pid) in cp.pids() {
         eprintln!("{name}: pid {pid}");
     }
     std::fs::write(state_dir.join("ready"), &cp.server).unwrap_or_else(|e| fail(&e.to_string()));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");

@@ -1,0 +1,29 @@
+//! Without Calico's IPReservation CRD, a hold cannot be written: capo says so clearly,
+//! and denies or allows as the policy says. (Its own test binary: its control plane
+//! never gets the Calico CRDs.)
+
+mod support;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use serde_json::json;
+use support::*;
+
+#[tokio::test]
+async fn hold_without_calico_is_denied_with_a_clear_message() {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    let ns = TestNamespace::create(&client, "no-calico").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    assert_eq!(capo.calico_api, capo_api::CalicoApiGroup::CrdV1, "nothing served: the Kubernetes-datastore default");
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &[Ips::v4()]).await;
+    let err = delete_pod(&client, &ns.name, "p").await.expect_err("denied");
+    let msg = err.to_string();
+    assert!(msg.contains("is Calico (or its CRDs) installed?"), "{msg}");
+    assert!(Api::<Pod>::namespaced(client.clone(), &ns.name).get_opt("p").await.unwrap().is_some());
+    assert!(
+        capo.metrics.render().contains(&format!("capo_hold_failures_total{{action=\"deny\",policy=\"{policy}\"}} 1"))
+    );
+}

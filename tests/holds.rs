@@ -1,0 +1,440 @@
+//! capo's core promise against a real API server that calls capo's webhook over TLS:
+//! when a selected Pod is deleted or evicted, every IP it has is in a capo-owned Calico
+//! IPReservation, and recorded, by the time the API server answers the request.
+
+mod support;
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use capo_api::{CalicoApiGroup, HoldTrigger};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::*;
+
+async fn setup(prefix: &str) -> (Client, TestNamespace) {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    let ns = TestNamespace::create(&client, prefix).await;
+    (client, ns)
+}
+
+fn cidr(ip: IpAddr) -> String {
+    capo_api::reserved_ip::single_ip_cidr(ip)
+}
+
+/// Asserts the IPs are held right now: in the reservation and recorded.
+async fn assert_held(
+    client: &Client,
+    group: CalicoApiGroup,
+    policy: &str,
+    pod: &str,
+    ips: &[IpAddr],
+    trigger: HoldTrigger,
+) {
+    let reservation = format!("capo-{policy}");
+    let entries = reservation_for(client, group, &reservation).await;
+    for &ip in ips {
+        assert!(entries.contains(&cidr(ip)), "{} missing from {reservation}: {entries:?}", cidr(ip));
+        let rec = record(client, ip).await.unwrap_or_else(|| panic!("no ReservedIP for {ip}"));
+        assert_eq!(rec.spec.ip, ip.to_string());
+        assert_eq!(rec.spec.policy, policy);
+        assert_eq!(rec.spec.pod.name, pod);
+        assert_eq!(rec.spec.trigger, trigger);
+        assert_eq!(rec.spec.reservation, reservation);
+        assert_eq!(rec.spec.calico_api_group, group.api_version());
+    }
+}
+
+async fn reservation_for(client: &Client, group: CalicoApiGroup, name: &str) -> Vec<String> {
+    reservation(client, group, name).await.unwrap_or_else(|| panic!("IPReservation {name} does not exist"))
+}
+
+async fn assert_not_held(client: &Client, ips: &[IpAddr]) {
+    for &ip in ips {
+        assert!(record(client, ip).await.is_none(), "{ip} was recorded");
+    }
+}
+
+#[tokio::test]
+async fn deleting_a_selected_pod_holds_every_ip_before_the_delete_returns() {
+    let (client, ns) = setup("hold-delete").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    assert_eq!(
+        capo.calico_api,
+        CalicoApiGroup::CrdV1,
+        "both groups served: Calico's rule picks crd.projectcalico.org/v1"
+    );
+    let policy = format!("{}-redis", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+
+    let cases = [("v4", vec![Ips::v4()]), ("v6", vec![Ips::v6()]), ("dual", vec![Ips::v4(), Ips::v6()])];
+    for (name, ips) in &cases {
+        create_pod_with_ips(&client, &ns.name, unscheduled_pod(name, &[("app", "redis")], &[]), ips).await;
+    }
+    for (name, ips) in &cases {
+        delete_pod(&client, &ns.name, name).await.expect("deletion allowed");
+        // No waiting: the hold must already be there when the API server answered.
+        assert_held(&client, CalicoApiGroup::CrdV1, &policy, name, ips, HoldTrigger::Delete).await;
+    }
+    let entries = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
+    assert_eq!(entries.len(), 4, "one entry per IP: {entries:?}");
+    let labels = Api::<kube::api::DynamicObject>::all_with(client.clone(), &CalicoApiGroup::CrdV1.ip_reservation())
+        .get(&format!("capo-{policy}"))
+        .await
+        .unwrap()
+        .labels()
+        .clone();
+    assert_eq!(labels.get("app.kubernetes.io/managed-by").map(String::as_str), Some("capo"));
+    let metrics = capo.metrics.render();
+    assert!(metrics.contains(&format!("capo_holds_total{{policy=\"{policy}\",trigger=\"delete\"}} 4")), "{metrics}");
+}
+
+#[tokio::test]
+async fn pods_that_are_not_selected_get_nothing_written() {
+    let (client, ns) = setup("hold-skip").await;
+    let other = TestNamespace::create(&client, "hold-skip-other").await;
+    let _capo = start_capo(&client, &[&ns.name, &other.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+
+    let wrong_labels = [Ips::v4()];
+    let opted_out = [Ips::v4()];
+    let other_ns = [Ips::v4()];
+    let host_network = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("web", &[("app", "web")], &[]), &wrong_labels).await;
+    create_pod_with_ips(
+        &client,
+        &ns.name,
+        unscheduled_pod("out", &[("app", "redis")], &[("capo.io/hold", "false")]),
+        &opted_out,
+    )
+    .await;
+    create_pod_with_ips(&client, &other.name, unscheduled_pod("elsewhere", &[("app", "redis")], &[]), &other_ns).await;
+    let mut host = unscheduled_pod("host", &[("app", "redis")], &[]);
+    host.spec.as_mut().unwrap().host_network = Some(true);
+    create_pod_with_ips(&client, &ns.name, host, &host_network).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("no-ip", &[("app", "redis")], &[]), &[]).await;
+
+    for (n, p) in
+        [(&ns.name, "web"), (&ns.name, "out"), (&other.name, "elsewhere"), (&ns.name, "host"), (&ns.name, "no-ip")]
+    {
+        delete_pod(&client, n, p).await.expect("deletion allowed");
+    }
+    assert_not_held(&client, &[wrong_labels[0], opted_out[0], other_ns[0], host_network[0]]).await;
+    assert!(
+        reservation(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.is_none(),
+        "no reservation was created"
+    );
+}
+
+#[tokio::test]
+async fn evicting_a_selected_pod_holds_its_ip() {
+    let (client, ns) = setup("hold-evict").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-zk", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "zk" } } })).await;
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    // A Pod on a kwok node: scheduled by kube-scheduler, given its IP by kwok.
+    pods.create(&PostParams::default(), &kwok_pod("zk-0", &[("app", "zk")])).await.unwrap();
+    let running = wait_running(&client, &ns.name, "zk-0").await;
+    let ips = pod_ips(&running);
+    // The eviction is decided from capo's Pod cache: wait until it has seen the IP.
+    pods.evict("zk-0", &EvictParams::default()).await.expect("eviction allowed");
+    assert_held(&client, CalicoApiGroup::CrdV1, &policy, "zk-0", &ips, HoldTrigger::Eviction).await;
+}
+
+#[tokio::test]
+async fn dry_run_deletion_writes_nothing() {
+    let (client, ns) = setup("hold-dry").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    let ips = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &ips).await;
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    pods.delete("p", &DeleteParams { dry_run: true, ..Default::default() }).await.expect("dry run allowed");
+    let dry = EvictParams {
+        delete_options: Some(DeleteParams { dry_run: true, ..Default::default() }),
+        post_options: PostParams { dry_run: true, ..Default::default() },
+    };
+    pods.evict("p", &dry).await.expect("dry-run eviction allowed");
+    assert!(pods.get_opt("p").await.unwrap().is_some(), "a dry run deletes nothing");
+    assert_not_held(&client, &ips).await;
+    assert!(reservation(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.is_none());
+}
+
+#[tokio::test]
+async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() {
+    let (client, ns) = setup("hold-twice").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    let ips = [Ips::v4(), Ips::v6()];
+    // A finalizer keeps the Pod after the first DELETE, so the second one is real too.
+    let mut pod = unscheduled_pod("p", &[], &[]);
+    pod.metadata.finalizers = Some(vec!["capo-tests/keep".into()]);
+    create_pod_with_ips(&client, &ns.name, pod, &ips).await;
+    delete_pod(&client, &ns.name, "p").await.unwrap();
+    let first = record(&client, ips[0]).await.expect("held");
+    tokio::time::sleep(Duration::from_millis(1100)).await; // reservedAt has second precision
+    delete_pod(&client, &ns.name, "p").await.unwrap();
+    let second = record(&client, ips[0]).await.expect("still held");
+    assert_eq!(first.spec.reserved_at, second.spec.reserved_at, "the first reservedAt is kept");
+    assert_eq!(first.metadata.resource_version, second.metadata.resource_version, "the record is untouched");
+    let entries = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
+    assert_eq!(entries.len(), 2, "{entries:?}");
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    pods.patch("p", &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn two_hundred_concurrent_deletions_are_all_held() {
+    let (client, ns) = setup("hold-200").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {}, "maxReserved": 1000 })).await;
+    let pods: Vec<(String, IpAddr)> = (0..200).map(|i| (format!("p-{i}"), Ips::v4())).collect();
+    futures::stream::iter(pods.iter().cloned())
+        .for_each_concurrent(16, |(name, ip)| {
+            let client = client.clone();
+            let ns = ns.name.clone();
+            async move {
+                create_pod_with_ips(&client, &ns, unscheduled_pod(&name, &[], &[]), &[ip]).await;
+            }
+        })
+        .await;
+    let results: Vec<_> = futures::stream::iter(pods.iter().cloned())
+        .map(|(name, _)| {
+            let client = client.clone();
+            let ns = ns.name.clone();
+            async move { delete_pod(&client, &ns, &name).await.map_err(|e| format!("{name}: {e}")) }
+        })
+        .buffer_unordered(200)
+        .collect()
+        .await;
+    let denied: Vec<_> = results.into_iter().filter_map(Result::err).collect();
+    assert!(denied.is_empty(), "{} deletions failed: {:?}", denied.len(), &denied[..denied.len().min(5)]);
+    let entries = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
+    assert_eq!(entries.len(), 200, "no append lost");
+    for (_, ip) in &pods {
+        assert!(entries.contains(&cidr(*ip)), "{ip} lost");
+    }
+    let records = Api::<capo_api::ReservedIP>::all(client.clone())
+        .list(&kube::api::ListParams::default().labels(&format!("capo.io/policy={policy}")))
+        .await
+        .unwrap();
+    assert_eq!(records.items.len(), 200);
+    let metrics = capo.metrics.render();
+    // The API server may call the webhook more than once for one DELETE (it re-validates
+    // when its cached copy of the Pod was stale); every extra call finds the hold in place.
+    assert!(metrics.contains(&format!("capo_holds_total{{policy=\"{policy}\",trigger=\"delete\"}} 200")), "{metrics}");
+    assert!(!metrics.contains("hold_failures_total"), "{metrics}");
+}
+
+#[tokio::test]
+async fn policy_edits_take_effect_without_restart() {
+    let (client, ns) = setup("hold-edit").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "a" } }, "reserveFor": "40m" }),
+    )
+    .await;
+    let before = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("b-1", &[("app", "b")], &[]), &before).await;
+    delete_pod(&client, &ns.name, "b-1").await.unwrap();
+    assert_not_held(&client, &before).await;
+
+    // Edit selector and TTL; once capo reports the new generation, the next delete uses it.
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "b" } }, "reserveFor": "2h" }),
+    )
+    .await;
+    let after = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("b-2", &[("app", "b")], &[]), &after).await;
+    delete_pod(&client, &ns.name, "b-2").await.unwrap();
+    let rec = record(&client, after[0]).await.expect("held under the edited policy");
+    assert_eq!(rec.spec.reserve_for, "2h");
+}
+
+#[tokio::test]
+async fn invalid_policies_are_refused_at_apply_with_a_clear_message() {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    let cases = [
+        (json!({ "podSelector": {}, "reserveFor": "forever" }), "spec.reserveFor"),
+        (json!({ "podSelector": {}, "reserveFor": "0s" }), "reserveFor must be at least 1s"),
+        (json!({ "reserveFor": "1h" }), "a policy must select something"),
+        (
+            json!({ "podSelector": { "matchExpressions": [{ "key": "a", "operator": "In" }] } }),
+            "In and NotIn need at least one value",
+        ),
+        (
+            json!({ "podSelector": { "matchExpressions": [{ "key": "a", "operator": "Maybe" }] } }),
+            "Unsupported value: \"Maybe\"",
+        ),
+        (
+            json!({ "podSelector": {}, "podOverrides": { "minReserveFor": "2h", "maxReserveFor": "1h" } }),
+            "minReserveFor must not exceed",
+        ),
+        (json!({ "podSelector": {}, "onHoldFailure": "Sometimes" }), "spec.onHoldFailure"),
+        (json!({ "podSelector": {}, "maxReserved": 0 }), "spec.maxReserved"),
+    ];
+    for (i, (spec, expected)) in cases.into_iter().enumerate() {
+        let err = try_apply_policy(&client, &format!("invalid-{i}"), spec.clone()).await.expect_err("refused");
+        let msg = err.to_string();
+        assert!(msg.contains(expected), "{spec}: expected {expected:?} in {msg}");
+    }
+}
+
+#[tokio::test]
+async fn a_policy_that_slips_past_the_schema_is_marked_not_ready_while_others_work() {
+    let (client, ns) = setup("hold-notready").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    // The schema cannot see that capo-<name> would be too long an object name.
+    let long = format!("{}-{}", ns.name, "x".repeat(252 - ns.name.len()));
+    let bad = try_apply_policy(&client, &long, json!({ "podSelector": {}, "priority": 100 })).await.unwrap();
+    let bad = wait_policy_ready(&client, &long, bad.metadata.generation, "False").await;
+    let cond = bad.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(cond.reason, "NameTooLong");
+    assert!(cond.message.contains("too long"), "{}", cond.message);
+
+    let good = format!("{}-good", ns.name);
+    apply_policy(&client, &good, &ns.name, json!({ "podSelector": {} })).await;
+    let ips = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &ips).await;
+    delete_pod(&client, &ns.name, "p").await.unwrap();
+    assert_held(&client, CalicoApiGroup::CrdV1, &good, "p", &ips, HoldTrigger::Delete).await;
+    Api::<capo_api::CapoPolicy>::all(client.clone()).delete(&long, &Default::default()).await.unwrap();
+}
+
+#[tokio::test]
+async fn holds_are_written_in_the_projectcalico_v3_group_when_chosen() {
+    let (client, ns) = setup("hold-v3").await;
+    let capo = start_capo(&client, &[&ns.name], Some(CalicoApiGroup::V3)).await;
+    assert_eq!(capo.calico_api, CalicoApiGroup::V3);
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    let ips = [Ips::v4(), Ips::v6()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &ips).await;
+    delete_pod(&client, &ns.name, "p").await.unwrap();
+    assert_held(&client, CalicoApiGroup::V3, &policy, "p", &ips, HoldTrigger::Delete).await;
+    assert!(
+        reservation(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.is_none(),
+        "nothing in the other group"
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_admission_review_gets_400_with_the_reason() {
+    let (client, ns) = setup("hold-malformed").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let http = reqwest::Client::builder().danger_accept_invalid_certs(true).build().unwrap();
+    let url = format!("https://{}/hold", capo.webhook_addr);
+    for (body, reason) in [
+        ("{not json", "malformed AdmissionReview"),
+        (r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#, "malformed AdmissionReview"),
+        (
+            r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"1"}}"#,
+            "malformed AdmissionReview",
+        ),
+    ] {
+        let resp = http.post(&url).header("content-type", "application/json").body(body).send().await.unwrap();
+        assert_eq!(resp.status(), 400, "{body}");
+        let text = resp.text().await.unwrap();
+        assert!(text.contains(reason), "{body}: {text}");
+    }
+    // A DELETE review without its oldObject is malformed too.
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "u", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "p", "namespace": ns.name, "operation": "DELETE", "userInfo": {},
+        }
+    });
+    let resp = http.post(&url).json(&review).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    assert!(resp.text().await.unwrap().contains("without oldObject"));
+    // capo keeps serving.
+    let resp = http.post(&url).json(&json!({})).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+}
+
+/// capo's client impersonates a ServiceAccount that may do everything capo needs except
+/// write IPReservations.
+async fn client_without_reservation_rights(client: &Client, ns: &str) -> Client {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let name = format!("capo-limited-{ns}");
+    let role: ClusterRole = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "rules": [
+            { "apiGroups": [""], "resources": ["pods", "namespaces"], "verbs": ["get", "list", "watch"] },
+            { "apiGroups": ["capo.io"], "resources": ["capopolicies", "capopolicies/status", "reservedips"], "verbs": ["*"] },
+            { "apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations"], "verbs": ["*"] },
+            { "nonResourceURLs": ["*"], "verbs": ["get"] },
+        ],
+    }))
+    .unwrap();
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name },
+        "subjects": [{ "kind": "ServiceAccount", "name": "capo", "namespace": ns }],
+    }))
+    .unwrap();
+    let pp = PatchParams::apply("capo-tests").force();
+    Api::<ClusterRole>::all(client.clone()).patch(&name, &pp, &Patch::Apply(role)).await.unwrap();
+    Api::<ClusterRoleBinding>::all(client.clone()).patch(&name, &pp, &Patch::Apply(binding)).await.unwrap();
+    let mut config = capo_testenv::config_from_kubeconfig(&capo_testenv::shared().kubeconfig).await.unwrap();
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:capo"));
+    Client::try_from(config).unwrap()
+}
+
+#[tokio::test]
+async fn a_hold_that_cannot_be_written_denies_or_allows_as_the_policy_says() {
+    let (client, ns) = setup("hold-forbidden").await;
+    let limited = client_without_reservation_rights(&client, &ns.name).await;
+    let _capo = start_capo(&limited, &[&ns.name], None).await;
+    let deny = format!("{}-deny", ns.name);
+    let allow = format!("{}-allow", ns.name);
+    apply_policy(&client, &deny, &ns.name, json!({ "podSelector": { "matchLabels": { "p": "deny" } } })).await;
+    apply_policy(
+        &client,
+        &allow,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "p": "allow" } }, "onHoldFailure": "Allow" }),
+    )
+    .await;
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("strict", &[("p", "deny")], &[]), &[Ips::v4()]).await;
+    let err = delete_pod(&client, &ns.name, "strict").await.expect_err("denied");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("capo could not hold") && msg.contains("forbidden") && msg.contains("onHoldFailure=Deny"),
+        "{msg}"
+    );
+    assert!(pods.get_opt("strict").await.unwrap().is_some(), "the Pod stays");
+    let err = pods.evict("strict", &EvictParams::default()).await.expect_err("eviction denied");
+    match err {
+        kube::Error::Api(s) => assert_eq!(s.code, 429, "eviction clients retry on 429: {s:?}"),
+        other => panic!("{other}"),
+    }
+
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("lenient", &[("p", "allow")], &[]), &[Ips::v4()]).await;
+    delete_pod(&client, &ns.name, "lenient").await.expect("allowed by onHoldFailure=Allow");
+    assert!(pods.get_opt("lenient").await.unwrap().is_none());
+}

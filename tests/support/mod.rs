@@ -1,0 +1,247 @@
+//! Shared by the integration tests: the real control plane (one per test binary),
+//! capo's CRDs, an in-process capo whose webhook the API server calls over TLS, and
+//! helpers for Pods, policies and Calico reservations.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use capo::app::{SelfRegister, Settings, TlsSource};
+use capo_api::{CalicoApiGroup, CapoPolicy, ReservedIP};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::{Client, CustomResourceExt, ResourceExt};
+use serde_json::json;
+
+pub use capo_testenv::TestNamespace;
+
+pub async fn client() -> Client {
+    capo_testenv::shared().client().await
+}
+
+/// Polls `f` until it yields `Some`, failing the test with `what` after `limit`.
+pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Installs (server-side apply) a CRD and waits until it is Established.
+pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) {
+    let api = Api::<CustomResourceDefinition>::all(client.clone());
+    let name = crd.name_any();
+    api.patch(&name, &PatchParams::apply("capo-tests").force(), &Patch::Apply(crd)).await.expect("apply CRD");
+    eventually(&format!("CRD {name} Established"), Duration::from_secs(30), || {
+        let api = api.clone();
+        let name = name.clone();
+        async move {
+            let crd = api.get(&name).await.ok()?;
+            let established = crd.status?.conditions?.iter().any(|c| c.type_ == "Established" && c.status == "True");
+            established.then_some(())
+        }
+    })
+    .await;
+}
+
+pub async fn install_capo_crds(client: &Client) {
+    install_crd(client, CapoPolicy::crd()).await;
+    install_crd(client, ReservedIP::crd()).await;
+}
+
+pub async fn install_calico_crds(client: &Client) {
+    for group in CalicoApiGroup::ALL {
+        install_crd(client, group.ip_reservation_crd()).await;
+    }
+}
+
+/// Settings for an in-process capo whose webhook only covers `namespaces`.
+pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<CalicoApiGroup>) -> Settings {
+    Settings {
+        webhook_addr: "127.0.0.1:0".parse().unwrap(),
+        probe_addr: Some("127.0.0.1:0".parse().unwrap()),
+        tls: TlsSource::SelfSigned { hosts: vec!["127.0.0.1".into()], write_to: None },
+        self_register: Some(SelfRegister {
+            name: webhook_name.to_string(),
+            url: None,
+            only_namespaces: Some(namespaces.iter().map(|s| s.to_string()).collect()),
+            timeout_seconds: 10,
+        }),
+        calico_api: calico,
+        excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
+        max_review_time: Duration::from_secs(10),
+        field_manager: "capo".into(),
+        sync_timeout: Duration::from_secs(60),
+    }
+}
+
+/// Starts capo against the test control plane, its webhook registered for `namespaces`.
+pub async fn start_capo(client: &Client, namespaces: &[&str], calico: Option<CalicoApiGroup>) -> capo::App {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter(filter).try_init();
+    let name = format!("capo-test-{}", namespaces[0]);
+    capo::App::start(client.clone(), capo_settings(&name, namespaces, calico)).await.expect("start capo")
+}
+
+/// Applies a CapoPolicy whose namespaceSelector is `namespace` plus `spec`, and waits until
+/// capo reports it Ready for this generation.
+pub async fn apply_policy(client: &Client, name: &str, namespace: &str, mut spec: serde_json::Value) -> CapoPolicy {
+    spec.as_object_mut()
+        .unwrap()
+        .entry("namespaceSelector")
+        .or_insert_with(|| json!({ "matchLabels": { "kubernetes.io/metadata.name": namespace } }));
+    let policy = try_apply_policy(client, name, spec).await.expect("apply CapoPolicy");
+    wait_policy_ready(client, name, policy.metadata.generation, "True").await
+}
+
+pub async fn try_apply_policy(client: &Client, name: &str, spec: serde_json::Value) -> Result<CapoPolicy, kube::Error> {
+    let api = Api::<CapoPolicy>::all(client.clone());
+    let obj =
+        json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": name }, "spec": spec });
+    api.patch(name, &PatchParams::apply("capo-tests").force(), &Patch::Apply(obj)).await
+}
+
+/// Waits until capo has seen `generation` of the policy and reports `Ready=<ready>`.
+pub async fn wait_policy_ready(client: &Client, name: &str, generation: Option<i64>, ready: &str) -> CapoPolicy {
+    let api = Api::<CapoPolicy>::all(client.clone());
+    eventually(
+        &format!("CapoPolicy {name} Ready={ready} at generation {generation:?}"),
+        Duration::from_secs(30),
+        || {
+            let api = api.clone();
+            async move {
+                let p = api.get(name).await.ok()?;
+                let status = p.status.as_ref()?;
+                let cond = status.condition("Ready")?;
+                (status.observed_generation == generation && cond.status == ready).then_some(p.clone())
+            }
+        },
+    )
+    .await
+}
+
+/// Unique test addresses from the benchmarking ranges (RFC 2544 / RFC 5180), so tests
+/// in one binary, and runs attached to one long-lived control plane, do not collide.
+pub struct Ips;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A 16-bit number: a random start per process, then counting up.
+fn unique() -> u32 {
+    static BASE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(|| {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        nanos ^ std::process::id().rotate_left(16)
+    });
+    (base.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed))) & 0xffff
+}
+
+impl Ips {
+    pub fn v4() -> IpAddr {
+        let n = unique();
+        format!("198.19.{}.{}", n >> 8, n & 0xff).parse().unwrap()
+    }
+    pub fn v6() -> IpAddr {
+        let n = unique();
+        format!("2001:2::c:{n:x}").parse().unwrap()
+    }
+}
+
+/// A Pod no scheduler picks up (so nothing but the test touches its status).
+pub fn unscheduled_pod(name: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
+    let labels: BTreeMap<_, _> = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let annotations: BTreeMap<_, _> = annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": labels, "annotations": annotations },
+        "spec": {
+            "schedulerName": "capo-tests-no-scheduler",
+            "containers": [{ "name": "app", "image": "registry.invalid/app:1" }],
+        },
+    }))
+    .unwrap()
+}
+
+/// Creates `pod` in `ns` and gives it `ips` in its status, as a CNI would.
+pub async fn create_pod_with_ips(client: &Client, ns: &str, pod: Pod, ips: &[IpAddr]) -> Pod {
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    let created = api.create(&PostParams::default(), &pod).await.expect("create pod");
+    if ips.is_empty() {
+        return created;
+    }
+    let status = json!({ "status": {
+        "phase": "Running",
+        "podIP": ips[0].to_string(),
+        "podIPs": ips.iter().map(|ip| json!({ "ip": ip.to_string() })).collect::<Vec<_>>(),
+    }});
+    api.patch_status(&created.name_any(), &PatchParams::default(), &Patch::Merge(status)).await.expect("set pod IPs")
+}
+
+/// A Pod the scheduler places on a kwok node, where kwok runs it and gives it an IP.
+pub fn kwok_pod(name: &str, labels: &[(&str, &str)]) -> Pod {
+    let labels: BTreeMap<_, _> = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    serde_json::from_value(json!({
+        "metadata": { "name": name, "labels": labels },
+        "spec": {
+            "containers": [{ "name": "app", "image": "registry.invalid/app:1" }],
+            "tolerations": [{ "operator": "Exists" }],
+        },
+    }))
+    .unwrap()
+}
+
+/// Waits until the Pod runs with an IP.
+pub async fn wait_running(client: &Client, ns: &str, name: &str) -> Pod {
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    eventually(&format!("pod {ns}/{name} Running with an IP"), Duration::from_secs(60), || {
+        let api = api.clone();
+        async move {
+            let p = api.get(name).await.ok()?;
+            let s = p.status.as_ref()?;
+            (s.phase.as_deref() == Some("Running") && s.pod_ip.as_deref().is_some_and(|ip| !ip.is_empty()))
+                .then_some(p.clone())
+        }
+    })
+    .await
+}
+
+pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.pod_ips.clone())
+        .unwrap_or_default()
+        .iter()
+        .map(|p| p.ip.parse().unwrap())
+        .collect()
+}
+
+/// The entries of a Calico IPReservation (`None`: the object does not exist).
+pub async fn reservation(client: &Client, group: CalicoApiGroup, name: &str) -> Option<Vec<String>> {
+    let api = Api::<DynamicObject>::all_with(client.clone(), &group.ip_reservation());
+    let obj = api.get_opt(name).await.expect("read IPReservation")?;
+    Some(
+        obj.data["spec"]["reservedCIDRs"]
+            .as_array()
+            .map(|a| a.iter().map(|v| v.as_str().unwrap().to_string()).collect())
+            .unwrap_or_default(),
+    )
+}
+
+pub async fn record(client: &Client, ip: IpAddr) -> Option<ReservedIP> {
+    Api::<ReservedIP>::all(client.clone()).get_opt(&capo_api::reserved_ip::record_name(ip)).await.expect("read record")
+}
+
+pub async fn delete_pod(client: &Client, ns: &str, name: &str) -> Result<(), kube::Error> {
+    Api::<Pod>::namespaced(client.clone(), ns).delete(name, &DeleteParams::default()).await.map(|_| ())
+}
