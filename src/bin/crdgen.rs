@@ -1,8 +1,16 @@
-//! Writes capo's CRD YAML into `config/crd/bases/` and `charts/capo/crds/` (`make crds`).
+//! `crdgen`: writes capo's CRD YAML into `config/crd/bases/` and `charts/capo/crds/`
+//! (`make crds`). `crdgen --calico` prints capo's bindings of Calico's IPReservation
+//! CRDs (both API groups) instead, for clusters without Calico such as the local demo.
 
 use std::path::Path;
 
 fn main() -> std::io::Result<()> {
+    if std::env::args().nth(1).as_deref() == Some("--calico") {
+        for group in capo_api::CalicoApiGroup::ALL {
+            print!("---\n{}", capo_api::crds::render(&group.ip_reservation_crd()));
+        }
+        return Ok(());
+    }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     for dir in ["config/crd/bases", "charts/capo/crds"] {
         let dir = root.join(dir);

@@ -80,9 +80,11 @@ fn status_of(e: &KubeError) -> Option<&Status> {
     }
 }
 
-/// The API server's answer when a resource type (not an object) does not exist.
-fn is_type_not_served(s: &Status) -> bool {
-    s.code == 404 && s.message.contains("could not find the requested resource")
+/// The API server's answer when a resource type (not an object) does not exist: a 404
+/// that names no object ("the server could not find the requested resource" when the
+/// group is served, a bare "404 page not found" when it is not).
+pub(crate) fn is_type_not_served(s: &Status) -> bool {
+    s.code == 404 && s.details.as_ref().is_none_or(|d| d.name.is_empty())
 }
 
 fn pointer_escape(s: &str) -> String {

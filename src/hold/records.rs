@@ -33,9 +33,7 @@ pub enum RecordError {
 
 fn classify(e: KubeError) -> RecordError {
     match &e {
-        KubeError::Api(s) if s.code == 404 && s.message.contains("could not find the requested resource") => {
-            RecordError::NotServed
-        }
+        KubeError::Api(s) if super::calico::is_type_not_served(s) => RecordError::NotServed,
         KubeError::Api(s) if s.code == 403 => RecordError::Forbidden(s.message.clone()),
         _ => RecordError::Api(e),
     }

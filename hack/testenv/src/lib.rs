@@ -9,6 +9,7 @@
 //! - The `capo-testenv` binary behind `make testenv-up`/`testenv-down` runs the same code.
 
 mod binaries;
+pub mod ipam;
 mod kubeconfig;
 mod nodes;
 mod pki;

@@ -102,7 +102,12 @@ fn serve(state_dir: &Path, nodes: usize) {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
         let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        let client = cp.client().await.unwrap_or_else(|e| fail(&e.to_string()));
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+            _ = capo_testenv::ipam::run(client) => {},
+        }
     });
     eprintln!("stopping");
     drop(cp);
