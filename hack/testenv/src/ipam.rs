@@ -99,10 +99,12 @@ pub async fn run(client: Client) {
         let on_kwok =
             pod.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_some_and(|n| n.starts_with("kwok-node-"));
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
-        if on_kwok && !host_network && pod.metadata.deletion_timestamp.is_none() {
-            if let Err(e) = reassign(&client, &pod).await {
-                eprintln!("ipam: {}/{}: {e}", pod.namespace().unwrap_or_default(), pod.name_any());
-            }
+        if on_kwok
+            && !host_network
+            && pod.metadata.deletion_timestamp.is_none()
+            && let Err(e) = reassign(&client, &pod).await
+        {
+            eprintln!("ipam: {}/{}: {e}", pod.namespace().unwrap_or_default(), pod.name_any());
         }
     }
 }
