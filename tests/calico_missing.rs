@@ -1,6 +1,6 @@
-//! Without Calico's IPReservation CRD, a hold cannot be written: capo says so clearly,
-//! and denies or allows as the policy says. (Its own test binary: its control plane
-//! never gets the Calico CRDs.)
+//! Which Calico API is served decides where capo writes (its own test binary, so its
+//! control plane starts without Calico CRDs): with none, a hold cannot be written and capo
+//! says so clearly; with only `projectcalico.org/v3`, capo detects and uses it.
 
 mod support;
 
@@ -10,7 +10,7 @@ use serde_json::json;
 use support::*;
 
 #[tokio::test]
-async fn hold_without_calico_is_denied_with_a_clear_message() {
+async fn calico_api_detection_and_a_clear_denial_without_calico() {
     let client = client().await;
     install_capo_crds(&client).await;
     let ns = TestNamespace::create(&client, "no-calico").await;

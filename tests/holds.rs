@@ -438,3 +438,55 @@ async fn a_hold_that_cannot_be_written_denies_or_allows_as_the_policy_says() {
     delete_pod(&client, &ns.name, "lenient").await.expect("allowed by onHoldFailure=Allow");
     assert!(pods.get_opt("lenient").await.unwrap().is_none());
 }
+
+#[tokio::test]
+async fn no_hold_when_nobody_comes_back_owner_or_namespace_deleted() {
+    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    let (client, ns) = setup("hold-gone").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+
+    // The owner is deleted: the garbage collector deletes the Pod, and capo skips it.
+    let owner: ConfigMap = serde_json::from_value(json!({ "metadata": { "name": "owner" } })).unwrap();
+    let owner =
+        Api::<ConfigMap>::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &owner).await.unwrap();
+    let mut pod = unscheduled_pod("owned", &[], &[]);
+    pod.metadata.owner_references =
+        Some(vec![serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.uid().unwrap(), "controller": true,
+    }))
+    .unwrap()]);
+    let owned_ips = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, pod, &owned_ips).await;
+    Api::<ConfigMap>::namespaced(client.clone(), &ns.name).delete("owner", &Default::default()).await.unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    eventually("the garbage collector to delete the Pod", Duration::from_secs(60), || {
+        let pods = pods.clone();
+        async move { pods.get_opt("owned").await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    assert_not_held(&client, &owned_ips).await;
+    // capo was asked and chose to skip (not merely left out of the request).
+    assert!(capo.metrics.render().contains("capo_admission_skipped_total{reason=\"owner_deleted\"}"));
+
+    // A selected Pod deleted by hand in the same namespace is held (the skip is not blanket).
+    let kept = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("by-hand", &[], &[]), &kept).await;
+    delete_pod(&client, &ns.name, "by-hand").await.unwrap();
+    assert_held(&client, CalicoApiGroup::CrdV1, &policy, "by-hand", &kept, HoldTrigger::Delete).await;
+
+    // The namespace is deleted: its Pods go with it, unheld.
+    let doomed = [Ips::v4()];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("doomed", &[], &[]), &doomed).await;
+    let namespaces = Api::<Namespace>::all(client.clone());
+    namespaces.delete(&ns.name, &Default::default()).await.unwrap();
+    eventually("the namespace to be gone", Duration::from_secs(90), || {
+        let namespaces = namespaces.clone();
+        let name = ns.name.clone();
+        async move { namespaces.get_opt(&name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    assert_not_held(&client, &doomed).await;
+    assert!(capo.metrics.render().contains("capo_admission_skipped_total{reason=\"namespace_terminating\"}"));
+}
