@@ -171,21 +171,43 @@ async fn dry_run_deletion_writes_nothing() {
 #[tokio::test]
 async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() {
     let (client, ns) = setup("hold-twice").await;
-    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
     let ips = [Ips::v4(), Ips::v6()];
-    // A finalizer keeps the Pod after the first DELETE, so the second one is real too.
+    // A finalizer keeps the Pod after the first DELETE, so the later ones are real too.
     let mut pod = unscheduled_pod("p", &[], &[]);
     pod.metadata.finalizers = Some(vec!["capo-tests/keep".into()]);
     create_pod_with_ips(&client, &ns.name, pod, &ips).await;
     delete_pod(&client, &ns.name, "p").await.unwrap();
     let first = record(&client, ips[0]).await.expect("held");
     tokio::time::sleep(Duration::from_millis(1100)).await; // reservedAt has second precision
+
+    // Again, answered by the same replica (it remembers the hold it just wrote).
     delete_pod(&client, &ns.name, "p").await.unwrap();
-    let second = record(&client, ips[0]).await.expect("still held");
-    assert_eq!(first.spec.reserved_at, second.spec.reserved_at, "the first reservedAt is kept");
-    assert_eq!(first.metadata.resource_version, second.metadata.resource_version, "the record is untouched");
+    // And again after a restart: a new capo with no memory of it goes to the API server,
+    // finds the entries present (a duplicate is success) and the records there.
+    drop(capo);
+    let restarted = start_capo(&client, &[&ns.name], None).await;
+    // The API server picks up the re-registered webhook asynchronously: repeat the DELETE
+    // until the new replica has answered one.
+    eventually("the restarted capo to review the DELETE", Duration::from_secs(30), || {
+        let client = client.clone();
+        let ns = ns.name.clone();
+        let metrics = restarted.metrics.clone();
+        async move {
+            delete_pod(&client, &ns, "p").await.unwrap();
+            metrics
+                .render()
+                .contains("capo_admission_requests_total{operation=\"delete\",outcome=\"held\"}")
+                .then_some(())
+        }
+    })
+    .await;
+
+    let last = record(&client, ips[0]).await.expect("still held");
+    assert_eq!(first.spec.reserved_at, last.spec.reserved_at, "the first reservedAt is kept");
+    assert_eq!(first.metadata.resource_version, last.metadata.resource_version, "the record is untouched");
     let entries = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
     assert_eq!(entries.len(), 2, "{entries:?}");
     let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);

@@ -30,6 +30,9 @@ use crate::policy::{Decision, HoldPlan, RequestContext, SharedMatcher};
 /// The user the garbage collector deletes dependents as (kube-controller-manager with
 /// `--use-service-account-credentials`, the default everywhere that matters).
 pub const GARBAGE_COLLECTOR_USER: &str = "system:serviceaccount:kube-system:generic-garbage-collector";
+/// The user the namespace controller deletes a terminating namespace's Pods as: a signal
+/// that does not depend on the Namespace cache having caught up.
+pub const NAMESPACE_CONTROLLER_USER: &str = "system:serviceaccount:kube-system:namespace-controller";
 
 #[derive(Clone, Debug)]
 pub struct AdmissionSettings {
@@ -168,10 +171,11 @@ impl Admission {
                 terminating: false,
             })
         });
+        let user = req.user_info.username.as_deref();
         let ctx = RequestContext {
             namespace_labels: &ns.labels,
-            namespace_terminating: ns.terminating,
-            by_garbage_collector: req.user_info.username.as_deref() == Some(GARBAGE_COLLECTOR_USER),
+            namespace_terminating: ns.terminating || user == Some(NAMESPACE_CONTROLLER_USER),
+            by_garbage_collector: user == Some(GARBAGE_COLLECTOR_USER),
         };
         let plan = match self.matcher.load().decide(&pod, &ctx) {
             Decision::Skip(reason) => {

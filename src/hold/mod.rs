@@ -5,7 +5,10 @@ mod calico;
 mod detect;
 mod records;
 
+use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use capo_api::reserved_ip::{PodRef, record_name, single_ip_cidr};
 use capo_api::{HoldTrigger, ReservedIPSpec};
@@ -53,16 +56,51 @@ impl HoldError {
     }
 }
 
+/// How long this replica remembers a hold it wrote, to answer a repeated review of the
+/// same deletion (the API server re-validates a DELETE when its cached Pod was stale)
+/// without writing again. Far shorter than any hold: nothing is released this soon.
+const RECENT: Duration = Duration::from_secs(30);
+
 /// Writes holds for one Calico API group.
 #[derive(Clone)]
 pub struct HoldStore {
     reservations: Reservations,
     records: Records,
+    /// (Pod UID, IP) written in the last [`RECENT`], with when.
+    recent: Arc<Mutex<HashMap<(String, IpAddr), Instant>>>,
 }
 
 impl HoldStore {
     pub fn new(client: Client, calico: capo_api::CalicoApiGroup) -> Self {
-        Self { reservations: Reservations::new(client.clone(), calico), records: Records::new(client) }
+        Self {
+            reservations: Reservations::new(client.clone(), calico),
+            records: Records::new(client),
+            recent: Default::default(),
+        }
+    }
+
+    /// Whether every IP of the Pod was held by this replica moments ago.
+    fn recently_held(&self, pod: &PodFacts, reservation: &str) -> Option<Vec<Held>> {
+        let mut recent = self.recent.lock().expect("recent holds lock");
+        recent.retain(|_, at| at.elapsed() < RECENT);
+        pod.ips
+            .iter()
+            .map(|&ip| {
+                recent.contains_key(&(pod.uid.clone(), ip)).then(|| Held {
+                    ip,
+                    reservation: reservation.to_string(),
+                    record: RecordOutcome::Kept,
+                })
+            })
+            .collect()
+    }
+
+    fn remember(&self, pod: &PodFacts) {
+        let now = Instant::now();
+        let mut recent = self.recent.lock().expect("recent holds lock");
+        for &ip in &pod.ips {
+            recent.insert((pod.uid.clone(), ip), now);
+        }
     }
 
     pub fn calico_api(&self) -> capo_api::CalicoApiGroup {
@@ -73,6 +111,11 @@ impl HoldStore {
     /// concurrently; succeeds only when every one of them is in place.
     pub async fn hold(&self, req: &HoldRequest<'_>) -> Result<Vec<Held>, Vec<HoldError>> {
         let reservation = capo_api::keys::reservation_name(req.policy);
+        if !req.pod.uid.is_empty()
+            && let Some(held) = self.recently_held(req.pod, &reservation)
+        {
+            return Ok(held);
+        }
         let now = Time(k8s_openapi::jiff::Timestamp::now());
         let writes = req.pod.ips.iter().map(|&ip| {
             let reservation = reservation.clone();
@@ -118,6 +161,11 @@ impl HoldStore {
                 Err(e) => errors.extend(e),
             }
         }
-        if errors.is_empty() { Ok(held) } else { Err(errors) }
+        if errors.is_empty() {
+            self.remember(req.pod);
+            Ok(held)
+        } else {
+            Err(errors)
+        }
     }
 }

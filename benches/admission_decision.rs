@@ -1,0 +1,91 @@
+//! The in-memory part of an admission review: parse the Pod from `oldObject`, then let
+//! the matcher decide. Run with `cargo bench --bench admission_decision`.
+//!
+//! Method: a realistic Pod (~3 KiB of JSON, managedFields included), 50 policies of which
+//! none or one selects it; each case runs 5 x 20,000 iterations and reports the median
+//! per-iteration time of the 5 rounds.
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::time::Instant;
+
+use capo::pod::PodFacts;
+use capo::policy::{CompiledPolicy, Matcher, RequestContext};
+use serde_json::json;
+
+fn pod_json() -> serde_json::Value {
+    let managed: Vec<_> = (0..6)
+        .map(|i| {
+            json!({"manager": format!("m{i}"), "operation": "Update", "apiVersion": "v1", "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:metadata": {"f:labels": {"f:app": {}, "f:tier": {}}}, "f:status": {"f:conditions": {}}}})
+        })
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": "redis-7", "namespace": "shop", "uid": "0b4c2f1e-7a65-4c4e-9d1a-2f3c4d5e6f70",
+            "labels": {"app": "redis", "tier": "cache", "statefulset.kubernetes.io/pod-name": "redis-7", "controller-revision-hash": "redis-5d8f"},
+            "annotations": {"prometheus.io/scrape": "true", "kubectl.kubernetes.io/restartedAt": "2026-11-20T10:00:00Z"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "redis", "uid": "1", "controller": true}],
+            "managedFields": managed,
+        },
+        "spec": {
+            "nodeName": "node-12",
+            "containers": [{"name": "redis", "image": "redis:7", "ports": [{"containerPort": 6379}],
+                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+                "env": (0..10).map(|i| json!({"name": format!("E{i}"), "value": "x".repeat(20)})).collect::<Vec<_>>()}],
+        },
+        "status": {"phase": "Running", "podIP": "10.42.3.17", "podIPs": [{"ip": "10.42.3.17"}, {"ip": "fd00:42::3:17"}],
+            "conditions": (0..4).map(|i| json!({"type": format!("C{i}"), "status": "True"})).collect::<Vec<_>>()},
+    })
+}
+
+fn matcher(selecting: bool) -> Matcher {
+    let policies = (0..50).map(|i| {
+        let app = if selecting && i == 49 { "redis".to_string() } else { format!("app-{i}") };
+        let p: capo_api::CapoPolicy = serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": {"name": format!("p{i:02}")},
+            "spec": {"namespaceSelector": {"matchLabels": {"ip-reserve": "enabled"}},
+                     "podSelector": {"matchLabels": {"app": app}, "matchExpressions": [{"key": "tier", "operator": "Exists"}]}},
+        }))
+        .unwrap();
+        CompiledPolicy::compile(&p).unwrap()
+    });
+    Matcher::new(policies)
+}
+
+fn median_ns(iters: u32, mut f: impl FnMut()) -> f64 {
+    let mut rounds: Vec<f64> = (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            start.elapsed().as_nanos() as f64 / iters as f64
+        })
+        .collect();
+    rounds.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    rounds[2]
+}
+
+fn main() {
+    let pod = pod_json();
+    let bytes = serde_json::to_vec(&pod).unwrap();
+    let ns: BTreeMap<String, String> = [("ip-reserve".to_string(), "enabled".to_string())].into();
+    let ctx = RequestContext { namespace_labels: &ns, namespace_terminating: false, by_garbage_collector: false };
+    println!("pod JSON: {} bytes", bytes.len());
+    let facts = PodFacts::from_json(&pod).unwrap();
+    let parse = median_ns(20_000, || {
+        let v: serde_json::Value = serde_json::from_slice(black_box(&bytes)).unwrap();
+        black_box(PodFacts::from_json(&v).unwrap());
+    });
+    println!("parse oldObject bytes -> PodFacts:        {:>8.0} ns/op", parse);
+    for (name, selecting) in [("decide, 50 policies, none selects", false), ("decide, 50 policies, last selects", true)]
+    {
+        let m = matcher(selecting);
+        let t = median_ns(20_000, || {
+            black_box(m.decide(black_box(&facts), &ctx));
+        });
+        println!("{name:<40} {:>8.0} ns/op", t);
+    }
+}
