@@ -463,7 +463,7 @@ async fn a_hold_that_cannot_be_written_denies_or_allows_as_the_policy_says() {
 
 #[tokio::test]
 async fn no_hold_when_nobody_comes_back_owner_or_namespace_deleted() {
-    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    use k8s_openapi::api::core::v1::ConfigMap;
     let (client, ns) = setup("hold-gone").await;
     let capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
@@ -501,14 +501,7 @@ async fn no_hold_when_nobody_comes_back_owner_or_namespace_deleted() {
     // The namespace is deleted: its Pods go with it, unheld.
     let doomed = [Ips::v4()];
     create_pod_with_ips(&client, &ns.name, unscheduled_pod("doomed", &[], &[]), &doomed).await;
-    let namespaces = Api::<Namespace>::all(client.clone());
-    namespaces.delete(&ns.name, &Default::default()).await.unwrap();
-    eventually("the namespace to be gone", Duration::from_secs(90), || {
-        let namespaces = namespaces.clone();
-        let name = ns.name.clone();
-        async move { namespaces.get_opt(&name).await.ok()?.is_none().then_some(()) }
-    })
-    .await;
+    delete_namespace_and_wait(&client, &ns.name).await;
     assert_not_held(&client, &doomed).await;
     assert!(capo.metrics.render().contains("capo_admission_skipped_total{reason=\"namespace_terminating\"}"));
 }

@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::routing::post;
 use capo_api::CalicoApiGroup;
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, DynamicObject, EvictParams, PostParams};
 use kube::core::admission::{AdmissionResponse, AdmissionReview};
 use kube::{Client, ResourceExt};
@@ -207,12 +207,5 @@ async fn deleting_a_namespace_completes() {
     Api::<ConfigMap>::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &cm).await.unwrap();
     Api::<Pod>::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &kwok_pod("p", &[])).await.unwrap();
     wait_running(&client, &ns.name, "p").await;
-    let namespaces = Api::<Namespace>::all(client.clone());
-    namespaces.delete(&ns.name, &Default::default()).await.unwrap();
-    eventually("the namespace to be gone", Duration::from_secs(90), || {
-        let namespaces = namespaces.clone();
-        let name = ns.name.clone();
-        async move { namespaces.get_opt(&name).await.ok()?.is_none().then_some(()) }
-    })
-    .await;
+    delete_namespace_and_wait(&client, &ns.name).await;
 }

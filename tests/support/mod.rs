@@ -245,3 +245,15 @@ pub async fn record(client: &Client, ip: IpAddr) -> Option<ReservedIP> {
 pub async fn delete_pod(client: &Client, ns: &str, name: &str) -> Result<(), kube::Error> {
     Api::<Pod>::namespaced(client.clone(), ns).delete(name, &DeleteParams::default()).await.map(|_| ())
 }
+
+/// Deletes a namespace and waits until the namespace controller has finished with it.
+pub async fn delete_namespace_and_wait(client: &Client, name: &str) {
+    use k8s_openapi::api::core::v1::Namespace;
+    let namespaces = Api::<Namespace>::all(client.clone());
+    namespaces.delete(name, &Default::default()).await.expect("delete namespace");
+    eventually(&format!("namespace {name} to be gone"), Duration::from_secs(90), || {
+        let namespaces = namespaces.clone();
+        async move { namespaces.get_opt(name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+}
