@@ -505,3 +505,22 @@ async fn no_hold_when_nobody_comes_back_owner_or_namespace_deleted() {
     assert_not_held(&client, &doomed).await;
     assert!(capo.metrics.render().contains("capo_admission_skipped_total{reason=\"namespace_terminating\"}"));
 }
+
+#[tokio::test]
+async fn an_ipreservation_capo_does_not_own_is_never_touched() {
+    let (client, ns) = setup("hold-foreign").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    // Somebody else's object with capo's naming, without capo's label.
+    let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &CalicoApiGroup::CrdV1.ip_reservation());
+    let mut foreign = kube::api::DynamicObject::new(&format!("capo-{policy}"), &CalicoApiGroup::CrdV1.ip_reservation());
+    foreign.data = json!({ "spec": { "reservedCIDRs": ["198.19.255.0/24"] } });
+    api.create(&PostParams::default(), &foreign).await.unwrap();
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &[Ips::v4()]).await;
+    let err = delete_pod(&client, &ns.name, "p").await.expect_err("denied: the hold has nowhere to go");
+    assert!(err.to_string().contains("is not managed by capo"), "{err}");
+    let after = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
+    assert_eq!(after, vec!["198.19.255.0/24".to_string()], "the foreign object is unchanged");
+}
