@@ -17,7 +17,8 @@ pub struct Metrics {
     pub admission_duration: HistogramVec,
     /// IPs written into a reservation, by policy and trigger.
     pub holds: IntCounterVec,
-    /// Holds that could not be written, by policy and action taken (deny, allow).
+    /// Holds that could not be written, by policy, action taken (deny, allow) and reason
+    /// (forbidden, calico_not_served, not_owned, timeout, ...).
     pub hold_failures: IntCounterVec,
     /// Requests capo decided not to hold, by reason.
     pub skipped: IntCounterVec,
@@ -42,7 +43,7 @@ impl Metrics {
         );
         let holds = counter("holds_total", "IPs written into a capo-owned reservation.", &["policy", "trigger"]);
         let hold_failures =
-            counter("hold_failures_total", "Holds that could not be written, by action taken.", &["policy", "action"]);
+            counter("hold_failures_total", "Holds that could not be written.", &["policy", "action", "reason"]);
         let skipped = counter("admission_skipped_total", "Deletions capo did not hold, by reason.", &["reason"]);
         let pod_cache_misses =
             counter("pod_cache_misses_total", "Evictions whose Pod had to be read from the API server.", &["result"]);

@@ -23,7 +23,7 @@ async fn calico_api_detection_and_a_clear_denial_without_calico() {
     let msg = err.to_string();
     assert!(msg.contains("is Calico (or its CRDs) installed?"), "{msg}");
     assert!(Api::<Pod>::namespaced(client.clone(), &ns.name).get_opt("p").await.unwrap().is_some());
-    assert!(
-        capo.metrics.render().contains(&format!("capo_hold_failures_total{{action=\"deny\",policy=\"{policy}\"}} 1"))
-    );
+    assert!(capo.metrics.render().contains(&format!(
+        "capo_hold_failures_total{{action=\"deny\",policy=\"{policy}\",reason=\"calico_not_served\"}} 1"
+    )));
 }

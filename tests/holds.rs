@@ -524,3 +524,25 @@ async fn an_ipreservation_capo_does_not_own_is_never_touched() {
     let after = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
     assert_eq!(after, vec!["198.19.255.0/24".to_string()], "the foreign object is unchanged");
 }
+
+#[tokio::test]
+async fn pods_opt_in_by_annotation_and_ask_for_a_hold_time_within_bounds() {
+    let (client, ns) = setup("hold-annot").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    let spec = json!({
+        "podSelector": { "matchLabels": { "app": "nothing-has-this" } },
+        "reserveFor": "40m",
+        "podOverrides": { "minReserveFor": "10m", "maxReserveFor": "2h" },
+    });
+    apply_policy(&client, &policy, &ns.name, spec).await;
+    let cases = [("asks-1h", "1h", "1h"), ("asks-too-much", "24h", "2h"), ("asks-too-little", "1m", "10m")];
+    for (name, asked, granted) in cases {
+        let ip = Ips::v4();
+        let annotations = [("capo.io/policy", policy.as_str()), ("capo.io/reserve-for", asked)];
+        create_pod_with_ips(&client, &ns.name, unscheduled_pod(name, &[], &annotations), &[ip]).await;
+        delete_pod(&client, &ns.name, name).await.unwrap();
+        let rec = record(&client, ip).await.unwrap_or_else(|| panic!("{name}: opted in, so held"));
+        assert_eq!((rec.spec.policy.as_str(), rec.spec.reserve_for.as_str()), (policy.as_str(), granted), "{name}");
+    }
+}

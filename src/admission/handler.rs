@@ -215,7 +215,7 @@ impl Admission {
         let policy = &plan.policy;
         let request = HoldRequest { policy: &policy.name, reserve_for: plan.reserve_for, pod, trigger: kind.trigger() };
         let timeout = deadline.saturating_duration_since(Instant::now());
-        let failure = match tokio::time::timeout(timeout, self.store.hold(&request)).await {
+        let (reason, failure) = match tokio::time::timeout(timeout, self.store.hold(&request)).await {
             Ok(Ok(held)) => {
                 let created = held.iter().filter(|h| h.record != RecordOutcome::Kept).count();
                 self.metrics.holds.with_label_values(&[&policy.name, kind.as_str()]).inc_by(created as u64);
@@ -232,16 +232,14 @@ impl Admission {
                 ));
                 return (Some(kind), "held", allow(resp, warnings));
             }
-            Ok(Err(errors)) => describe(&errors),
-            Err(_) => {
-                format!("writing the hold took longer than the {timeout:?} the API server allows")
-            }
+            Ok(Err(errors)) => (errors.first().map_or("unknown", HoldError::kind), describe(&errors)),
+            Err(_) => ("timeout", format!("writing the hold took longer than the {timeout:?} the API server allows")),
         };
         let action = match policy.on_hold_failure {
             HoldFailureAction::Deny => "deny",
             HoldFailureAction::Allow => "allow",
         };
-        self.metrics.hold_failures.with_label_values(&[&policy.name, action]).inc();
+        self.metrics.hold_failures.with_label_values(&[&policy.name, action, reason]).inc();
         let message = format!(
             "capo could not hold {} of Pod {}/{} (policy {}): {failure}",
             ips(pod),
