@@ -42,10 +42,6 @@ impl Caches {
         self.pods.read().expect("pod cache lock").get(&key).cloned()
     }
 
-    pub fn pod_count(&self) -> usize {
-        self.pods.read().expect("pod cache lock").len()
-    }
-
     pub async fn watch_namespaces(self: Arc<Self>, client: Client, readiness: Arc<Readiness>) {
         let api = Api::<PartialObjectMeta<Namespace>>::all(client);
         let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();

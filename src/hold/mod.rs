@@ -138,7 +138,7 @@ impl HoldStore {
             async move {
                 let cidr = spec.cidr.clone();
                 let (entry, record) =
-                    tokio::join!(self.reservations.add(&reservation, req.policy, &cidr), self.records.record(spec));
+                    tokio::join!(self.reservations.add(&reservation, req.policy, &cidr), self.records.record(ip, spec));
                 let mut errors = Vec::new();
                 if let Err(source) = entry {
                     errors.push(HoldError::Reservation { cidr, reservation: reservation.clone(), source });

@@ -1,6 +1,8 @@
 //! `ReservedIP` records: one per held IP, created once per hold. A repeated deletion of
 //! the same Pod keeps the first record (and its `reservedAt`).
 
+use std::net::IpAddr;
+
 use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL};
 use capo_api::reserved_ip::record_name;
 use capo_api::{ReservedIP, ReservedIPSpec};
@@ -49,8 +51,8 @@ impl Records {
         Self { api: Api::all(client) }
     }
 
-    pub async fn record(&self, spec: ReservedIPSpec) -> Result<RecordOutcome, RecordError> {
-        let ip = spec.ip.parse().map_err(|_| RecordError::Contention)?;
+    /// Records the hold of `ip` (the address `spec.ip` spells).
+    pub async fn record(&self, ip: IpAddr, spec: ReservedIPSpec) -> Result<RecordOutcome, RecordError> {
         let name = record_name(ip);
         let labels = [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, spec.policy.as_str())]
             .map(|(k, v)| (k.to_string(), v.to_string()))

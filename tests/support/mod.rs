@@ -87,12 +87,33 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
     }
 }
 
-/// Starts capo against the test control plane, its webhook registered for `namespaces`.
+/// Starts capo against the test control plane, its webhook registered for `namespaces`,
+/// and returns once the API server really calls it: webhook configurations reach the API
+/// server's admission chain asynchronously, and until then (failurePolicy Ignore) a
+/// deletion would pass unreviewed. The probe is a dry-run DELETE of a canary Pod.
 pub async fn start_capo(client: &Client, namespaces: &[&str], calico: Option<CalicoApiGroup>) -> capo::App {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter(filter).try_init();
     let name = format!("capo-test-{}", namespaces[0]);
-    capo::App::start(client.clone(), capo_settings(&name, namespaces, calico)).await.expect("start capo")
+    let app = capo::App::start(client.clone(), capo_settings(&name, namespaces, calico)).await.expect("start capo");
+    let admin = self::client().await;
+    let ns = namespaces[0];
+    let pods = Api::<Pod>::namespaced(admin.clone(), ns);
+    if pods.get_opt("capo-canary").await.unwrap().is_none() {
+        create_pod_with_ips(&admin, ns, unscheduled_pod("capo-canary", &[], &[]), &[Ips::v4()]).await;
+    }
+    let dry = DeleteParams { dry_run: true, ..Default::default() };
+    eventually(&format!("the API server to call webhook {name}"), Duration::from_secs(30), || {
+        let pods = pods.clone();
+        let dry = dry.clone();
+        let metrics = app.metrics.clone();
+        async move {
+            pods.delete("capo-canary", &dry).await.ok()?;
+            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
+        }
+    })
+    .await;
+    app
 }
 
 /// Applies a CapoPolicy whose namespaceSelector is `namespace` plus `spec`, and waits until
