@@ -18,8 +18,10 @@ use crate::cache::Caches;
 use crate::certs::{self, CertError};
 use crate::health::{self, Readiness};
 use crate::hold::{HoldStore, detect_calico_api};
+use crate::leader::{Election, Fence, LeaderError, LeaderSettings};
 use crate::metrics::Metrics;
 use crate::policy::{Matcher, PolicyController, SharedMatcher};
+use crate::release::{EngineSettings, ReleaseEngine};
 use crate::webhook_config::{self, Registration};
 
 /// Where the webhook's serving certificate comes from.
@@ -54,6 +56,17 @@ pub struct Settings {
     pub field_manager: String,
     /// How long to wait for the caches before giving up at start.
     pub sync_timeout: Duration,
+    /// Release held IPs (on the leader). `None`: this process only serves the webhook.
+    pub release: Option<ReleaseSettings>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReleaseSettings {
+    /// `None`: no election, this replica always leads (a single replica).
+    pub election: Option<LeaderSettings>,
+    pub engine: EngineSettings,
+    /// This replica's name in Events and the Lease.
+    pub identity: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +83,8 @@ pub enum AppError {
     NoHost,
     #[error("writing ValidatingWebhookConfiguration {name}: {source}")]
     Register { name: String, source: kube::Error },
+    #[error(transparent)]
+    Leader(#[from] LeaderError),
 }
 
 pub struct App {
@@ -83,6 +98,9 @@ pub struct App {
     registered: Option<String>,
     server: Handle<SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
+    election: Option<Election>,
+    /// Whether this replica may do leader-only work now (None: it never does).
+    pub fence: Option<Fence>,
     _cert_watcher: Option<notify::RecommendedWatcher>,
 }
 
@@ -137,7 +155,7 @@ impl App {
 
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
-            caches,
+            caches: caches.clone(),
             store: HoldStore::new(client.clone(), calico_api),
             client: client.clone(),
             metrics: metrics.clone(),
@@ -187,6 +205,31 @@ impl App {
         }
         info!("caches synced; ready");
 
+        let (election, fence) = match &settings.release {
+            None => (None, None),
+            Some(release) => {
+                let (election, fence) = match &release.election {
+                    Some(leader) => {
+                        let election = Election::start(client.clone(), leader.clone()).await?;
+                        let fence = election.fence.clone();
+                        (Some(election), fence)
+                    }
+                    None => (None, Fence::always()),
+                };
+                let engine = Arc::new(ReleaseEngine {
+                    client: client.clone(),
+                    group: calico_api,
+                    settings: release.engine.clone(),
+                    metrics: metrics.clone(),
+                    matcher: matcher.clone(),
+                    caches: caches.clone(),
+                    identity: release.identity.clone(),
+                });
+                tasks.push(tokio::spawn(lead(engine, fence.clone(), metrics.clone())));
+                (election, Some(fence))
+            }
+        };
+
         let mut registered = None;
         if let (Some(reg), Some(ca_pem)) = (&settings.self_register, ca_pem) {
             let registration = Registration {
@@ -214,18 +257,44 @@ impl App {
             registered,
             server,
             tasks,
+            election,
+            fence,
             _cert_watcher: cert_watcher,
         })
     }
 
-    /// Removes a self-registered webhook configuration and stops serving.
+    /// Gives up the Lease, removes a self-registered webhook configuration and stops
+    /// serving.
     pub async fn shutdown(mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.metrics.release.leader.set(0);
+        if let Some(election) = self.election.take() {
+            election.stop().await;
+        }
         if let Some(name) = self.registered.take()
             && let Err(e) = webhook_config::delete(&self.client, &name).await
         {
             tracing::warn!(name, error = %e, "could not remove the webhook configuration");
         }
         self.server.graceful_shutdown(Some(Duration::from_secs(5)));
+    }
+}
+
+/// Runs the release engine whenever this replica leads, and stops it the moment it does not.
+async fn lead(engine: Arc<ReleaseEngine>, mut fence: Fence, metrics: Arc<Metrics>) {
+    loop {
+        fence.acquired().await;
+        metrics.release.leader.set(1);
+        info!(identity = %engine.identity, "leading: releasing, repairing, safety net");
+        tokio::select! {
+            _ = engine.run(fence.clone()) => {}
+            _ = fence.lost() => {}
+        }
+        metrics.release.leader.set(0);
+        info!(identity = %engine.identity, "not leading");
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 

@@ -7,10 +7,60 @@ use std::time::Duration;
 use capo_api::CalicoApiGroup;
 use clap::Parser;
 
-use crate::app::{SelfRegister, Settings, TlsSource};
+use crate::app::{ReleaseSettings, SelfRegister, Settings, TlsSource};
+use crate::leader::LeaderSettings;
+use crate::release::{EngineSettings, PlanSettings};
 
+/// `capo` runs the controller; its subcommands are the operator's tools (they use the
+/// current kubeconfig, like kubectl).
 #[derive(Parser, Debug, Clone)]
-#[command(name = "capo", version, about = "Holds the IPs of deleted stateful Pods in Calico IPReservations")]
+#[command(
+    name = "capo",
+    version,
+    about = "Holds the IPs of deleted stateful Pods in Calico IPReservations",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub run: Args,
+}
+
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum Command {
+    /// List held IPs: IP, Pod, policy, trigger, held for, due in.
+    Holds {
+        /// Output format: table or json.
+        #[arg(short, long, default_value = "table")]
+        output: crate::ops::Output,
+    },
+    /// Release held IPs now (the leader does it, paced by the policy's releaseInterval).
+    Release {
+        #[arg(required = true)]
+        ips: Vec<std::net::IpAddr>,
+        /// How long to wait for the leader to release them.
+        #[arg(long, default_value = "60s")]
+        wait: capo_api::Duration,
+    },
+    /// Keep a held IP for longer: until now + --for.
+    Extend {
+        ip: std::net::IpAddr,
+        /// How long from now, e.g. 2h.
+        #[arg(long = "for")]
+        for_: capo_api::Duration,
+        /// How long to wait for the leader to apply it.
+        #[arg(long, default_value = "60s")]
+        wait: capo_api::Duration,
+    },
+    /// List policies: state, holds, cap.
+    Policies {
+        #[arg(short, long, default_value = "table")]
+        output: crate::ops::Output,
+    },
+}
+
+#[derive(clap::Args, Debug, Clone)]
 pub struct Args {
     /// Address the admission webhook (HTTPS) listens on.
     #[arg(long, env = "CAPO_WEBHOOK_ADDR", default_value = "0.0.0.0:9443")]
@@ -52,6 +102,45 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long, env = "CAPO_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
+
+    /// Elect a leader among replicas through a Lease (off: this replica always leads).
+    #[arg(long, env = "CAPO_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+
+    /// Name of the Lease (in --namespace) the replicas elect their leader with.
+    #[arg(long, env = "CAPO_LEASE_NAME", default_value = "capo")]
+    pub lease_name: String,
+
+    /// How long a leader's Lease is valid without renewal.
+    #[arg(long, env = "CAPO_LEASE_DURATION", default_value = "15s")]
+    pub lease_duration: capo_api::Duration,
+
+    /// How long before its Lease expires the leader renews it.
+    #[arg(long, env = "CAPO_LEASE_RENEW_GRACE", default_value = "5s")]
+    pub lease_renew_grace: capo_api::Duration,
+
+    /// This replica's identity in the Lease and in Events (the Pod name).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+
+    /// A hold whose Pod is still running and not being deleted (an eviction refused by a
+    /// PodDisruptionBudget) is dropped after this long.
+    #[arg(long, env = "CAPO_KEPT_POD_GRACE", default_value = "10m")]
+    pub kept_pod_grace: capo_api::Duration,
+
+    /// How long a record without its reservation entry (or an entry without a record)
+    /// must stay so before the leader repairs it.
+    #[arg(long, env = "CAPO_REPAIR_SETTLE", default_value = "5s")]
+    pub repair_settle: capo_api::Duration,
+
+    /// Only release holds of policies whose name starts with this (several capos on one
+    /// test cluster). Empty: every policy.
+    #[arg(long, env = "CAPO_POLICY_PREFIX", default_value = "", hide = true)]
+    pub policy_prefix: String,
+
+    /// Restrict a self-registered webhook to these namespaces (tests). Empty: all.
+    #[arg(long, env = "CAPO_WEBHOOK_NAMESPACES", value_delimiter = ',', hide = true)]
+    pub webhook_namespaces: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +149,14 @@ pub enum ArgsError {
     CalicoApi(#[from] capo_api::calico::UnknownCalicoApi),
     #[error("--self-register-url {0:?} is not an https://host[:port] URL")]
     Url(String),
+    #[error("--lease-duration must be longer than --lease-renew-grace, and the grace at least 1s")]
+    LeaseTiming,
+}
+
+/// The host name and process id: unique among replicas when POD_NAME is not set.
+fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    format!("{}-{}", if host.is_empty() { "capo" } else { &host }, std::process::id())
 }
 
 impl Args {
@@ -81,7 +178,7 @@ impl Args {
                     Some(SelfRegister {
                         name: self.webhook_config_name.clone(),
                         url: Some(url.clone()),
-                        only_namespaces: None,
+                        only_namespaces: (!self.webhook_namespaces.is_empty()).then(|| self.webhook_namespaces.clone()),
                         timeout_seconds: 5,
                     }),
                 )
@@ -94,10 +191,40 @@ impl Args {
             tls,
             self_register,
             calico_api,
+            release: Some(self.release_settings(&excluded)?),
             excluded_namespaces: excluded,
             max_review_time: self.max_review_time.as_std(),
             field_manager: "capo".into(),
             sync_timeout: Duration::from_secs(120),
+        })
+    }
+
+    fn release_settings(&self, excluded: &[String]) -> Result<ReleaseSettings, ArgsError> {
+        let identity = self.identity.clone().filter(|i| !i.is_empty()).unwrap_or_else(default_identity);
+        let election = self.leader_elect.then(|| LeaderSettings {
+            lease_name: self.lease_name.clone(),
+            namespace: self.namespace.clone(),
+            identity: identity.clone(),
+            duration: self.lease_duration.as_std(),
+            grace: self.lease_renew_grace.as_std(),
+        });
+        if let Some(e) = &election
+            && (e.grace.as_secs() == 0 || e.duration <= e.grace)
+        {
+            return Err(ArgsError::LeaseTiming);
+        }
+        Ok(ReleaseSettings {
+            election,
+            identity,
+            engine: EngineSettings {
+                plan: PlanSettings {
+                    kept_pod_grace: self.kept_pod_grace.as_std(),
+                    settle: self.repair_settle.as_std(),
+                    ..Default::default()
+                },
+                policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),
+                excluded_namespaces: excluded.to_vec(),
+            },
         })
     }
 }
@@ -121,9 +248,9 @@ mod tests {
     #[test]
     fn every_flag_has_an_env_var() {
         use clap::CommandFactory;
-        for arg in Args::command().get_arguments() {
+        for arg in Cli::command().get_arguments() {
             let id = arg.get_id().as_str();
-            if id == "help" || id == "version" {
+            if id == "help" || id == "version" || id == "command" {
                 continue;
             }
             assert!(arg.get_env().is_some(), "--{id} has no environment variable");
@@ -132,7 +259,7 @@ mod tests {
 
     #[test]
     fn settings_from_flags() {
-        let args = Args::parse_from([
+        let args = Cli::parse_from([
             "capo",
             "--self-register-url",
             "https://127.0.0.1:9443",
@@ -141,13 +268,20 @@ mod tests {
             "--namespace",
             "ip-reserve",
         ]);
-        let s = args.settings().unwrap();
+        let s = args.run.settings().unwrap();
         assert_eq!(s.calico_api, Some(CalicoApiGroup::V3));
         assert_eq!(s.excluded_namespaces, vec!["ip-reserve".to_string(), "kube-system".to_string()]);
         assert!(matches!(s.tls, TlsSource::SelfSigned { ref hosts, .. } if hosts == &["127.0.0.1".to_string()]));
-        let bad = Args::parse_from(["capo", "--calico-api", "v2"]).settings().unwrap_err();
+        let bad = Cli::parse_from(["capo", "--calico-api", "v2"]).run.settings().unwrap_err();
         assert!(bad.to_string().contains("unknown Calico API"), "{bad}");
-        assert!(Args::parse_from(["capo", "--self-register-url", "http://x"]).settings().is_err());
+        assert!(Cli::parse_from(["capo", "--self-register-url", "http://x"]).run.settings().is_err());
+        let bad = Cli::parse_from(["capo", "--lease-duration", "5s", "--lease-renew-grace", "5s"]).run.settings();
+        assert!(matches!(bad, Err(ArgsError::LeaseTiming)));
+        let release = s.release.unwrap();
+        let election = release.election.unwrap();
+        assert_eq!((election.lease_name.as_str(), election.namespace.as_str()), ("capo", "ip-reserve"));
+        let off = Cli::parse_from(["capo", "--leader-elect", "false"]).run.settings().unwrap();
+        assert!(off.release.unwrap().election.is_none(), "no election: this replica leads");
     }
 
     #[test]

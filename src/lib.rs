@@ -8,9 +8,12 @@ pub mod certs;
 pub mod cli;
 pub mod health;
 pub mod hold;
+pub mod leader;
 pub mod metrics;
+pub mod ops;
 pub mod pod;
 pub mod policy;
+pub mod release;
 pub mod telemetry;
 pub mod webhook_config;
 

@@ -26,6 +26,86 @@ pub struct Metrics {
     pub policies: IntGaugeVec,
     /// Evictions whose Pod was not in the cache and had to be read from the API server.
     pub pod_cache_misses: IntCounterVec,
+    /// The leader's release engine, repair and safety net.
+    pub release: ReleaseMetrics,
+}
+
+/// What the leader does with held IPs.
+pub struct ReleaseMetrics {
+    /// IPs held now, by policy (records; set by the leader).
+    pub held: IntGaugeVec,
+    /// The policy's `maxReserved`.
+    pub max_reserved: IntGaugeVec,
+    /// Age of the oldest hold, by policy.
+    pub oldest_age: prometheus::GaugeVec,
+    /// Releases by policy and reason (ttl, cap, manual, pod-kept, workload-gone, repair).
+    pub releases: IntCounterVec,
+    /// From a hold's due time to its entry leaving the reservation.
+    pub lateness: HistogramVec,
+    /// Release or repair writes that failed, by policy and reason.
+    pub failures: IntCounterVec,
+    /// Repairs by action (adopted, written_back, garbage_removed, redundant_removed).
+    pub repairs: IntCounterVec,
+    /// 1 while this replica holds the Lease.
+    pub leader: prometheus::IntGauge,
+    /// Holds written by the safety net, by policy.
+    pub safety_net_holds: IntCounterVec,
+    /// Pods the safety net saw too late: their IP was already another Pod's.
+    pub safety_net_lost_races: IntCounterVec,
+}
+
+impl ReleaseMetrics {
+    fn new(registry: &Registry) -> Self {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["policy"]).expect("static metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let oldest_age = prometheus::GaugeVec::new(
+            Opts::new("oldest_hold_age_seconds", "Age of the oldest hold, by policy."),
+            &["policy"],
+        )
+        .expect("static metric");
+        registry.register(Box::new(oldest_age.clone())).expect("unique metric");
+        let lateness = HistogramVec::new(
+            HistogramOpts::new(
+                "release_lateness_seconds",
+                "From a hold's due time to its entry leaving the reservation.",
+            )
+            .buckets(vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0]),
+            &["policy"],
+        )
+        .expect("static metric");
+        registry.register(Box::new(lateness.clone())).expect("unique metric");
+        let leader =
+            prometheus::IntGauge::new("leader", "1 while this replica holds the Lease.").expect("static metric");
+        registry.register(Box::new(leader.clone())).expect("unique metric");
+        Self {
+            held: gauge("held_ips", "IPs held now, by policy (set by the leader)."),
+            max_reserved: gauge("max_reserved", "The policy's maxReserved."),
+            oldest_age,
+            releases: counter("releases_total", "Held IPs released, by policy and reason.", &["policy", "reason"]),
+            lateness,
+            failures: counter(
+                "release_failures_total",
+                "Release or repair writes that failed, by policy and reason.",
+                &["policy", "reason"],
+            ),
+            repairs: counter("repairs_total", "Repairs of reservations and records, by action.", &["action"]),
+            leader,
+            safety_net_holds: counter("safety_net_holds_total", "Holds written by the safety net.", &["policy"]),
+            safety_net_lost_races: counter(
+                "safety_net_lost_races_total",
+                "Pods the safety net saw after their IP was already another Pod's.",
+                &["policy"],
+            ),
+        }
+    }
 }
 
 impl Metrics {
@@ -57,7 +137,9 @@ impl Metrics {
         let policies = IntGaugeVec::new(Opts::new("policies", "Loaded CapoPolicies by state."), &["state"])
             .expect("static metric");
         registry.register(Box::new(policies.clone())).expect("unique metric");
+        let release = ReleaseMetrics::new(&registry);
         Self {
+            release,
             registry,
             admission_requests,
             admission_duration,

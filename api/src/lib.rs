@@ -15,6 +15,8 @@ pub mod selector;
 
 pub use calico::CalicoApiGroup;
 pub use duration::{Duration, DurationError};
-pub use policy::{CapoPolicy, CapoPolicySpec, CapoPolicyStatus, HoldFailureAction};
-pub use reserved_ip::{HoldTrigger, PodRef, ReservedIP, ReservedIPSpec, ReservedIPStatus};
+pub use policy::{CapoPolicy, CapoPolicySpec, CapoPolicyStatus, HoldFailureAction, ReleaseEarly};
+pub use reserved_ip::{
+    ControllerRef, HoldTrigger, ManualAction, ManualChange, PodRef, ReservedIP, ReservedIPSpec, ReservedIPStatus,
+};
 pub use selector::{LabelSelector, Operator, SelectorRequirement};

@@ -9,6 +9,7 @@ use crate::selector::LabelSelector;
 pub const DEFAULT_RESERVE_FOR: &str = "40m";
 pub const DEFAULT_MAX_RESERVED: u32 = 300;
 pub const DEFAULT_RELEASE_INTERVAL: &str = "5s";
+pub const DEFAULT_RELEASE_BATCH: u32 = 10;
 
 /// A cluster-scoped policy that selects Pods whose IPs capo holds in a Calico
 /// `IPReservation` when they are deleted or evicted.
@@ -85,6 +86,17 @@ pub struct CapoPolicySpec {
     #[serde(default)]
     pub skip: SkipRules,
 
+    /// When to release before the TTL runs out because nobody will come back for the IP.
+    #[serde(default)]
+    pub release_early: ReleaseEarly,
+
+    /// The most IPs of this policy released in one batch (one write per
+    /// `releaseInterval`), so a burst of expiries does not hand many just-freed IPs to
+    /// one wave of new Pods. Releases over `maxReserved` are never held back by it.
+    #[serde(default = "default_release_batch")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub release_batch: u32,
+
     /// What a Pod may ask for through its annotations.
     #[serde(default)]
     pub pod_overrides: PodOverrides,
@@ -98,6 +110,9 @@ fn default_max_reserved() -> u32 {
 }
 fn default_release_interval() -> String {
     DEFAULT_RELEASE_INTERVAL.to_string()
+}
+fn default_release_batch() -> u32 {
+    DEFAULT_RELEASE_BATCH
 }
 fn default_true() -> bool {
     true
@@ -149,6 +164,19 @@ impl Default for SkipRules {
     fn default() -> Self {
         Self { namespace_terminating: true, owner_deleted: true }
     }
+}
+
+/// Early release: the held IP is released before its TTL when nobody comes back for it.
+/// Both default to false: the IP stays held for the full `reserveFor`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseEarly {
+    /// Release as soon as the Pod's controller (StatefulSet or ReplicaSet) is deleted.
+    #[serde(default)]
+    pub workload_deleted: bool,
+    /// Release as soon as the Pod's namespace is deleted.
+    #[serde(default)]
+    pub namespace_deleted: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]

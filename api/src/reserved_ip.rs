@@ -1,6 +1,6 @@
 //! `ReservedIP`: capo's record of one held IP, the source of truth for its release.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -28,7 +28,10 @@ use std::net::IpAddr;
     printcolumn(name = "Trigger", type_ = "string", json_path = ".spec.trigger"),
     printcolumn(name = "Hold", type_ = "string", json_path = ".spec.reserveFor"),
     printcolumn(name = "Reserved", type_ = "date", json_path = ".spec.reservedAt"),
-    printcolumn(name = "Release-At", type_ = "string", json_path = ".status.releaseAt")
+    printcolumn(name = "Pod-Gone", type_ = "date", json_path = ".status.podGoneAt"),
+    printcolumn(name = "Release-At", type_ = "string", json_path = ".status.releaseAt"),
+    printcolumn(name = "Manual", type_ = "string", json_path = ".spec.manual.action", priority = 1),
+    printcolumn(name = "By", type_ = "string", json_path = ".spec.manual.by", priority = 1)
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ReservedIPSpec {
@@ -47,10 +50,35 @@ pub struct ReservedIPSpec {
     /// What started the hold.
     pub trigger: HoldTrigger,
     /// When capo first wrote the hold. Repeated deletions keep it.
-    pub reserved_at: Time,
+    pub reserved_at: MicroTime,
     /// How long the IP stays held once the Pod is gone (policy `reserveFor`, or the Pod's
     /// permitted override).
     pub reserve_for: String,
+    /// An operator's request (`capo release`, `capo extend`), carried out by the leader.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manual: Option<ManualChange>,
+}
+
+/// What an operator asked for, and who.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ManualChange {
+    pub action: ManualAction,
+    /// The user who asked (from a SelfSubjectReview), e.g. `alice@example.com`.
+    pub by: String,
+    /// When they asked.
+    pub at: MicroTime,
+    /// `Extend`: the new release time, replacing the TTL's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<MicroTime>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ManualAction {
+    /// Release now (paced by the policy's releaseInterval).
+    Release,
+    /// Keep the IP held until `until`.
+    Extend,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -61,6 +89,15 @@ pub struct PodRef {
     pub uid: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The Pod's controller (e.g. its StatefulSet), for early release when it is deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<ControllerRef>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ControllerRef {
+    pub kind: String,
+    pub name: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -71,17 +108,27 @@ pub enum HoldTrigger {
     Eviction,
     /// The leader saw a selected Pod terminate without passing through the webhook.
     SafetyNet,
+    /// The leader found the entry in a capo-owned reservation without a record (a crash
+    /// between the two writes, or an entry written by hand) and adopted it.
+    Adopted,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReservedIPStatus {
-    /// When capo saw the Pod object gone; the hold's clock starts here.
+    /// When capo saw the Pod object gone (or in a terminal phase); the hold's clock
+    /// starts here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_gone_at: Option<Time>,
-    /// When the leader will release the IP (podGoneAt + reserveFor).
+    pub pod_gone_at: Option<MicroTime>,
+    /// When the leader will release the IP (podGoneAt + reserveFor, or an operator's
+    /// `capo extend`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub release_at: Option<Time>,
+    pub release_at: Option<MicroTime>,
+    /// Since when the leader has seen the Pod still running and not being deleted (an
+    /// eviction refused by a PodDisruptionBudget after capo held, a deletion denied by
+    /// another webhook). Such a hold is dropped after a grace period.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_kept_since: Option<MicroTime>,
 }
 
 /// The object name of the record for `ip`: the IP itself, with `:` spelled `-` for IPv6.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use capo_api::reserved_ip::{PodRef, record_name, single_ip_cidr};
 use capo_api::{HoldTrigger, ReservedIPSpec};
 use futures::future::join_all;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::Client;
 
 pub use calico::{CalicoError, Reservations};
@@ -116,7 +116,7 @@ impl HoldStore {
         {
             return Ok(held);
         }
-        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
         let writes = req.pod.ips.iter().map(|&ip| {
             let reservation = reservation.clone();
             let spec = ReservedIPSpec {
@@ -130,10 +130,16 @@ impl HoldStore {
                     name: req.pod.name.clone(),
                     uid: req.pod.uid.clone(),
                     node: req.pod.node.clone(),
+                    controller: req
+                        .pod
+                        .controller
+                        .as_ref()
+                        .map(|(kind, name)| capo_api::ControllerRef { kind: kind.clone(), name: name.clone() }),
                 },
                 trigger: req.trigger,
                 reserved_at: now.clone(),
                 reserve_for: capo_api::Duration::from_std(req.reserve_for).to_string(),
+                manual: None,
             };
             async move {
                 let cidr = spec.cidr.clone();

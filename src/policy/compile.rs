@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use capo_api::policy::{CapoPolicySpec, SkipRules, WorkloadRef};
 use capo_api::selector::SelectorError;
-use capo_api::{CapoPolicy, DurationError, HoldFailureAction, LabelSelector};
+use capo_api::{CapoPolicy, DurationError, HoldFailureAction, LabelSelector, ReleaseEarly};
 use kube::ResourceExt;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -20,6 +20,9 @@ pub struct CompiledPolicy {
     pub priority: i32,
     pub on_hold_failure: HoldFailureAction,
     pub skip: SkipRules,
+    pub release_early: ReleaseEarly,
+    /// The most TTL releases per `release_interval` (cap releases are never held back).
+    pub release_batch: u32,
     pub allow_opt_in: bool,
     /// Bounds of a Pod's `capo.io/reserve-for`; `None` when the policy allows no override.
     pub reserve_for_bounds: Option<(Duration, Duration)>,
@@ -119,6 +122,8 @@ impl CompiledPolicy {
             priority: spec.priority,
             on_hold_failure: spec.on_hold_failure,
             skip: spec.skip.clone(),
+            release_early: spec.release_early.clone(),
+            release_batch: spec.release_batch.max(1),
             allow_opt_in: o.allow_opt_in,
             reserve_for_bounds,
         })

@@ -84,6 +84,7 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
         max_review_time: Duration::from_secs(10),
         field_manager: "capo".into(),
         sync_timeout: Duration::from_secs(60),
+        release: None,
     }
 }
 

@@ -1,0 +1,307 @@
+//! The operator's subcommands (`capo holds`, `capo release`, `capo extend`,
+//! `capo policies`), run with the current kubeconfig like kubectl.
+//!
+//! `release` and `extend` do not release anything themselves: they write the request into
+//! the hold's record (`spec.manual`, with the user's name from a SelfSubjectReview) and wait
+//! for the leader to carry it out, so only the leader ever releases.
+//!
+//! Exit codes: 0 done; 1 an API error; 3 no hold for an IP; 4 permission denied; 5 the
+//! leader did not act within `--wait`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use capo_api::reserved_ip::record_name;
+use capo_api::{CapoPolicy, ManualAction, ManualChange, ReservedIP};
+use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("no hold for {0} (see `capo holds`)")]
+    UnknownIp(IpAddr),
+    #[error("permission denied: {0}")]
+    Forbidden(String),
+    #[error("{what}: {source}")]
+    Api { what: String, source: kube::Error },
+    #[error("{0}: the leader did not act in time (is a capo replica running and leading?)")]
+    TimedOut(String),
+}
+
+impl OpsError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Api { .. } => 1,
+            Self::UnknownIp(_) => 3,
+            Self::Forbidden(_) => 4,
+            Self::TimedOut(_) => 5,
+        }
+    }
+
+    fn api(what: impl Into<String>, source: kube::Error) -> Self {
+        match &source {
+            kube::Error::Api(s) if s.code == 403 => Self::Forbidden(s.message.clone()),
+            _ => Self::Api { what: what.into(), source },
+        }
+    }
+}
+
+/// `1h2m3s`-style, whole seconds.
+pub fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    let (h, m, s) = (s / 3600, (s % 3600) / 60, s % 60);
+    match (h, m) {
+        (0, 0) => format!("{s}s"),
+        (0, _) => format!("{m}m{s}s"),
+        _ => format!("{h}h{m}m"),
+    }
+}
+
+fn since(now: Timestamp, t: Timestamp) -> Duration {
+    Duration::try_from(now.duration_since(t)).unwrap_or_default()
+}
+
+/// "Due in" for one hold, as the leader last wrote it.
+fn due_in(now: Timestamp, r: &ReservedIP) -> String {
+    let status = r.status.clone().unwrap_or_default();
+    if r.spec.manual.as_ref().is_some_and(|m| m.action == ManualAction::Release) {
+        return "releasing".into();
+    }
+    match (status.release_at, status.pod_kept_since) {
+        (Some(at), _) if at.0 <= now => "now".into(),
+        (Some(at), _) => human(since(at.0, now)),
+        (None, Some(_)) => "pod kept".into(),
+        (None, None) => "pod not gone".into(),
+    }
+}
+
+pub async fn holds(client: Client, output: Output) -> Result<String, OpsError> {
+    let api = Api::<ReservedIP>::all(client);
+    let mut list = api.list(&ListParams::default()).await.map_err(|e| OpsError::api("listing ReservedIPs", e))?.items;
+    list.sort_by(|a, b| (&a.spec.policy, a.spec.reserved_at.0).cmp(&(&b.spec.policy, b.spec.reserved_at.0)));
+    let now = Timestamp::now();
+    if output == Output::Json {
+        let rows: Vec<_> = list
+            .iter()
+            .map(|r| {
+                let st = r.status.clone().unwrap_or_default();
+                json!({
+                    "ip": r.spec.ip, "namespace": r.spec.pod.namespace, "pod": r.spec.pod.name,
+                    "policy": r.spec.policy, "reservation": r.spec.reservation, "trigger": r.spec.trigger,
+                    "reservedAt": r.spec.reserved_at, "podGoneAt": st.pod_gone_at, "releaseAt": st.release_at,
+                    "heldForSeconds": since(now, r.spec.reserved_at.0).as_secs(),
+                    "dueInSeconds": st.release_at.map(|t| t.0.duration_since(now).as_secs().max(0)),
+                    "manual": r.spec.manual,
+                })
+            })
+            .collect();
+        return Ok(serde_json::to_string_pretty(&rows).expect("JSON") + "\n");
+    }
+    let mut rows = vec![["IP", "POD", "POLICY", "TRIGGER", "HELD FOR", "DUE IN"].map(String::from).to_vec()];
+    for r in &list {
+        let pod = if r.spec.pod.name.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{}/{}", r.spec.pod.namespace, r.spec.pod.name)
+        };
+        rows.push(vec![
+            r.spec.ip.clone(),
+            pod,
+            r.spec.policy.clone(),
+            format!("{:?}", r.spec.trigger),
+            human(since(now, r.spec.reserved_at.0)),
+            due_in(now, r),
+        ]);
+    }
+    if list.is_empty() {
+        return Ok("No IPs held.\n".into());
+    }
+    Ok(table(&rows))
+}
+
+pub async fn policies(client: Client, output: Output) -> Result<String, OpsError> {
+    let policies = Api::<CapoPolicy>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| OpsError::api("listing CapoPolicies", e))?
+        .items;
+    let records = Api::<ReservedIP>::all(client)
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| OpsError::api("listing ReservedIPs", e))?
+        .items;
+    let mut holds: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in &records {
+        *holds.entry(r.spec.policy.as_str()).or_default() += 1;
+    }
+    let state = |p: &CapoPolicy| {
+        let cond = p.status.as_ref().and_then(|s| s.condition("Ready"));
+        match cond {
+            Some(c) if c.status == "True" => ("Ready".to_string(), c.reason.clone()),
+            Some(c) => ("NotReady".to_string(), c.reason.clone()),
+            None => ("Unknown".to_string(), String::new()),
+        }
+    };
+    if output == Output::Json {
+        let rows: Vec<_> = policies
+            .iter()
+            .map(|p| {
+                let (st, reason) = state(p);
+                json!({ "name": p.name_any(), "state": st, "reason": reason,
+                        "holds": holds.get(p.name_any().as_str()).copied().unwrap_or(0),
+                        "maxReserved": p.spec.max_reserved, "reserveFor": p.spec.reserve_for })
+            })
+            .collect();
+        return Ok(serde_json::to_string_pretty(&rows).expect("JSON") + "\n");
+    }
+    let mut rows = vec![["NAME", "STATE", "REASON", "HOLDS", "CAP", "RESERVE-FOR"].map(String::from).to_vec()];
+    for p in &policies {
+        let (st, reason) = state(p);
+        let name = p.name_any();
+        rows.push(vec![
+            name.clone(),
+            st,
+            reason,
+            holds.get(name.as_str()).copied().unwrap_or(0).to_string(),
+            p.spec.max_reserved.to_string(),
+            p.spec.reserve_for.clone(),
+        ]);
+    }
+    for (policy, n) in &holds {
+        if !policies.iter().any(|p| p.name_any() == *policy) {
+            rows.push(vec![policy.to_string(), "Deleted".into(), String::new(), n.to_string(), "-".into(), "-".into()]);
+        }
+    }
+    Ok(table(&rows))
+}
+
+fn table(rows: &[Vec<String>]) -> String {
+    let widths: Vec<usize> =
+        (0..rows[0].len()).map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for r in rows {
+        let line: Vec<String> = r.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let _ = writeln!(out, "{}", line.join("   ").trim_end());
+    }
+    out
+}
+
+/// Who is asking, as the API server authenticates them.
+async fn whoami(client: &Client) -> String {
+    let review = SelfSubjectReview { metadata: Default::default(), status: None };
+    match Api::<SelfSubjectReview>::all(client.clone()).create(&PostParams::default(), &review).await {
+        Ok(r) => r.status.and_then(|s| s.user_info).and_then(|u| u.username).unwrap_or_else(|| "unknown".into()),
+        Err(_) => "unknown".into(),
+    }
+}
+
+async fn request(client: &Client, ip: IpAddr, change: ManualChange) -> Result<ReservedIP, OpsError> {
+    let api = Api::<ReservedIP>::all(client.clone());
+    let name = record_name(ip);
+    api.get_opt(&name)
+        .await
+        .map_err(|e| OpsError::api(format!("reading ReservedIP {name}"), e))?
+        .ok_or(OpsError::UnknownIp(ip))?;
+    api.patch(&name, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "manual": change } }))).await.map_err(
+        |e| match e {
+            kube::Error::Api(s) if s.code == 404 => OpsError::UnknownIp(ip),
+            e => OpsError::api(format!("patching ReservedIP {name}"), e),
+        },
+    )
+}
+
+async fn wait_for<F>(client: &Client, ip: IpAddr, wait: Duration, mut done: F) -> Result<Option<ReservedIP>, OpsError>
+where
+    F: FnMut(Option<&ReservedIP>) -> bool,
+{
+    let api = Api::<ReservedIP>::all(client.clone());
+    let name = record_name(ip);
+    let deadline = Instant::now() + wait;
+    loop {
+        let current = api.get_opt(&name).await.map_err(|e| OpsError::api(format!("reading ReservedIP {name}"), e))?;
+        if done(current.as_ref()) {
+            return Ok(current);
+        }
+        if Instant::now() >= deadline {
+            return Err(OpsError::TimedOut(ip.to_string()));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub async fn release(client: Client, ips: &[IpAddr], wait: Duration) -> Result<String, OpsError> {
+    let by = whoami(&client).await;
+    let mut out = String::new();
+    for &ip in ips {
+        let change = ManualChange {
+            action: ManualAction::Release,
+            by: by.clone(),
+            at: MicroTime(Timestamp::now()),
+            until: None,
+        };
+        request(&client, ip, change).await?;
+    }
+    for &ip in ips {
+        wait_for(&client, ip, wait, |r| r.is_none()).await?;
+        let _ = writeln!(out, "{ip} released (requested by {by})");
+    }
+    Ok(out)
+}
+
+pub async fn extend(client: Client, ip: IpAddr, for_: Duration, wait: Duration) -> Result<String, OpsError> {
+    let by = whoami(&client).await;
+    let until = Timestamp::now()
+        .checked_add(SignedDuration::try_from(for_).unwrap_or(SignedDuration::MAX))
+        .unwrap_or(Timestamp::MAX);
+    let change = ManualChange {
+        action: ManualAction::Extend,
+        by: by.clone(),
+        at: MicroTime(Timestamp::now()),
+        until: Some(MicroTime(until)),
+    };
+    request(&client, ip, change).await?;
+    let expected = MicroTime(until);
+    let rec = wait_for(&client, ip, wait, |r| {
+        r.is_none_or(|r| {
+            let st = r.status.clone().unwrap_or_default();
+            // Applied once the leader wrote it, or (Pod not gone yet) it will be.
+            st.release_at.as_ref().map(|t| t.0.as_microsecond()) == Some(expected.0.as_microsecond())
+                || st.pod_gone_at.is_none()
+        })
+    })
+    .await?;
+    match rec {
+        None => Err(OpsError::UnknownIp(ip)),
+        Some(_) => Ok(format!("{ip} held until {} (extended by {by})\n", until.strftime("%Y-%m-%dT%H:%M:%SZ"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human(Duration::from_secs(5)), "5s");
+        assert_eq!(human(Duration::from_secs(125)), "2m5s");
+        assert_eq!(human(Duration::from_secs(7260)), "2h1m");
+    }
+
+    #[test]
+    fn tables_align() {
+        let t = table(&[vec!["A".into(), "BB".into()], vec!["ccc".into(), "d".into()]]);
+        assert_eq!(t, "A     BB\nccc   d\n");
+    }
+}
