@@ -93,12 +93,17 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
 /// server's admission chain asynchronously, and until then (failurePolicy Ignore) a
 /// deletion would pass unreviewed. The probe is a dry-run DELETE of a canary Pod.
 pub async fn start_capo(client: &Client, namespaces: &[&str], calico: Option<CalicoApiGroup>) -> capo::App {
+    let name = format!("capo-test-{}", namespaces[0]);
+    start_capo_with(client, namespaces[0], capo_settings(&name, namespaces, calico)).await
+}
+
+/// Starts capo with `settings` and returns once the API server calls it for Pods in `ns`.
+pub async fn start_capo_with(client: &Client, ns: &str, settings: Settings) -> capo::App {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter(filter).try_init();
-    let name = format!("capo-test-{}", namespaces[0]);
-    let app = capo::App::start(client.clone(), capo_settings(&name, namespaces, calico)).await.expect("start capo");
+    let name = settings.self_register.as_ref().map(|r| r.name.clone()).unwrap_or_default();
+    let app = capo::App::start(client.clone(), settings).await.expect("start capo");
     let admin = self::client().await;
-    let ns = namespaces[0];
     let pods = Api::<Pod>::namespaced(admin.clone(), ns);
     if pods.get_opt("capo-canary").await.unwrap().is_none() {
         create_pod_with_ips(&admin, ns, unscheduled_pod("capo-canary", &[], &[]), &[Ips::v4()]).await;

@@ -1,0 +1,482 @@
+//! Release, repair, the safety net and leader election against a real API server that
+//! calls capo's webhook over TLS. Each test's capo only acts on its own policies (named
+//! after the test's namespace), so tests share one control plane.
+
+mod support;
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use capo::app::{ReleaseSettings, Settings};
+use capo::leader::LeaderSettings;
+use capo::release::{EngineSettings, PlanSettings};
+use capo_api::{CalicoApiGroup, HoldTrigger, ReservedIP};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, DynamicObject, EvictParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::*;
+
+const V1: CalicoApiGroup = CalicoApiGroup::CrdV1;
+
+async fn setup(prefix: &str) -> (Client, TestNamespace) {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    let ns = TestNamespace::create(&client, prefix).await;
+    (client, ns)
+}
+
+fn cidr(ip: IpAddr) -> String {
+    capo_api::reserved_ip::single_ip_cidr(ip)
+}
+
+/// Leader settings for a test: its own Lease in its namespace, short timings, and only
+/// its own policies (`<namespace>-…`).
+fn release_settings(ns: &str, identity: &str, kept_grace: Duration) -> ReleaseSettings {
+    ReleaseSettings {
+        election: Some(LeaderSettings {
+            // Not in the test's namespace: some tests delete it.
+            lease_name: format!("capo-{ns}"),
+            namespace: "default".into(),
+            identity: identity.into(),
+            duration: Duration::from_secs(3),
+            grace: Duration::from_secs(1),
+        }),
+        engine: EngineSettings {
+            plan: PlanSettings { kept_pod_grace: kept_grace, settle: Duration::from_secs(1), ..Default::default() },
+            policy_prefix: Some(format!("{ns}-")),
+            excluded_namespaces: vec!["kube-system".into()],
+        },
+        identity: identity.into(),
+    }
+}
+
+/// A capo that serves the webhook for `ns` and competes for the leadership.
+async fn start_leading(client: &Client, ns: &str, identity: &str, kept_grace: Duration) -> capo::App {
+    let mut settings: Settings = capo_settings(&format!("capo-test-{ns}-{identity}"), &[ns], None);
+    settings.release = Some(release_settings(ns, identity, kept_grace));
+    start_capo_with(client, ns, settings).await
+}
+
+async fn wait_leader(app: &capo::App) {
+    let fence = app.fence.clone().expect("release on");
+    eventually("this capo to lead", Duration::from_secs(30), || {
+        let f = fence.clone();
+        async move { f.is_leader().then_some(()) }
+    })
+    .await;
+}
+
+async fn selected_pod(client: &Client, ns: &str, name: &str, finalizer: bool) -> IpAddr {
+    let ip = Ips::v4();
+    let mut pod = unscheduled_pod(name, &[("app", "redis")], &[]);
+    if finalizer {
+        pod.metadata.finalizers = Some(vec!["capo.test/keep".into()]);
+    }
+    create_pod_with_ips(client, ns, pod, &[ip]).await;
+    ip
+}
+
+async fn remove_finalizer(client: &Client, ns: &str, name: &str) {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .patch(name, &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
+        .await
+        .expect("remove finalizer");
+}
+
+async fn entries(client: &Client, policy: &str) -> Vec<String> {
+    reservation(client, V1, &format!("capo-{policy}")).await.unwrap_or_default()
+}
+
+fn metric(app: &capo::App, needle: &str) -> Option<f64> {
+    app.metrics.render().lines().find(|l| l.starts_with(needle)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Polls until the record of `ip` is gone; returns when that was first seen.
+async fn wait_released(client: &Client, ip: IpAddr, limit: Duration) -> Timestamp {
+    eventually(
+        &format!("{ip} released"),
+        limit,
+        || async move { record(client, ip).await.is_none().then(Timestamp::now) },
+    )
+    .await
+}
+
+async fn wait_status(client: &Client, ip: IpAddr) -> ReservedIP {
+    eventually(&format!("{ip} counted down (status.releaseAt)"), Duration::from_secs(20), || async move {
+        let r = record(client, ip).await?;
+        r.status.as_ref()?.release_at.as_ref()?;
+        Some(r)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_short_ttl_is_released_on_time_and_never_before_the_pod_is_gone() {
+    let (client, ns) = setup("rel-ttl").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "2s", "releaseInterval": "100ms" }),
+    )
+    .await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", true).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("deletion allowed");
+    assert!(entries(&client, &policy).await.contains(&cidr(ip)), "held when the DELETE returned");
+
+    // The Pod is kept by a finalizer: being deleted, not gone. Well past the 2s TTL the
+    // hold is still there and not counting down.
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < deadline {
+        let rec = record(&client, ip).await.expect("still held while the Pod is not gone");
+        assert!(rec.status.as_ref().and_then(|s| s.pod_gone_at.as_ref()).is_none(), "counted down too early");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    remove_finalizer(&client, &ns.name, "redis-0").await;
+    let rec = wait_status(&client, ip).await;
+    let st = rec.status.clone().unwrap();
+    let gone = st.pod_gone_at.unwrap().0;
+    let release_at = st.release_at.unwrap().0;
+    assert_eq!(release_at.duration_since(gone).as_secs_f64(), 2.0, "releaseAt = podGoneAt + reserveFor");
+    let released = wait_released(&client, ip, Duration::from_secs(20)).await;
+    let late = released.duration_since(release_at).as_secs_f64();
+    assert!(late >= -0.05, "released {late:.3}s before its releaseAt");
+    assert!(late <= 1.2, "released {late:.3}s after its releaseAt");
+    assert!(!entries(&client, &policy).await.contains(&cidr(ip)), "the entry left the Calico reservation");
+    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}")), Some(1.0));
+    assert_eq!(metric(&capo, &format!("capo_release_lateness_seconds_count{{policy=\"{policy}\"}}")), Some(1.0));
+    assert_eq!(metric(&capo, "capo_leader"), Some(1.0));
+}
+
+#[tokio::test]
+async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() {
+    let (client, ns) = setup("rel-cap").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 2, "releaseInterval": "1s" }),
+    )
+    .await;
+    let mut ips = Vec::new();
+    for i in 0..5 {
+        ips.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+    }
+    // Watch the count while deleting: it may exceed the cap, but never for longer than
+    // one releaseInterval (plus the time to notice and write).
+    let watcher = {
+        let client = client.clone();
+        let policy = policy.clone();
+        tokio::spawn(async move {
+            let mut over_since: Option<Instant> = None;
+            let mut worst = Duration::ZERO;
+            let end = Instant::now() + Duration::from_secs(12);
+            while Instant::now() < end {
+                let n = entries(&client, &policy).await.len();
+                match (n > 2, over_since) {
+                    (true, None) => over_since = Some(Instant::now()),
+                    (false, Some(t)) => {
+                        worst = worst.max(t.elapsed());
+                        over_since = None;
+                    }
+                    _ => {}
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            worst.max(over_since.map_or(Duration::ZERO, |t| t.elapsed()))
+        })
+    };
+    for i in 0..5 {
+        delete_pod(&client, &ns.name, &format!("redis-{i}")).await.expect("deletion allowed");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    for &ip in &ips[..3] {
+        wait_released(&client, ip, Duration::from_secs(15)).await;
+    }
+    for &ip in &ips[3..] {
+        assert!(record(&client, ip).await.is_some(), "the two newest stay held");
+    }
+    let worst = watcher.await.unwrap();
+    assert!(worst <= Duration::from_millis(2500), "above the cap for {worst:?}");
+    let mut left = entries(&client, &policy).await;
+    left.sort();
+    let mut want: Vec<String> = ips[3..].iter().map(|&ip| cidr(ip)).collect();
+    want.sort();
+    assert_eq!(left, want);
+    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}")), Some(3.0));
+    assert_eq!(metric(&capo, &format!("capo_held_ips{{policy=\"{policy}\"}}")), Some(2.0));
+    assert_eq!(metric(&capo, &format!("capo_max_reserved{{policy=\"{policy}\"}}")), Some(2.0));
+}
+
+#[tokio::test]
+async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
+    let (client, ns) = setup("rel-ha").await;
+    let a = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    let b = start_leading(&client, &ns.name, "b", Duration::from_secs(600)).await;
+    let leaders = || [&a, &b].iter().filter(|x| x.fence.as_ref().unwrap().is_leader()).count();
+    eventually("a leader", Duration::from_secs(20), || async { (leaders() == 1).then_some(()) }).await;
+    // Stable: still exactly one a few renewals later.
+    for _ in 0..20 {
+        assert_eq!(leaders(), 1, "exactly one leader");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (leader, follower) = if a.fence.as_ref().unwrap().is_leader() { (a, b) } else { (b, a) };
+    let lease = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), "default")
+        .get(&format!("capo-{}", ns.name))
+        .await
+        .unwrap();
+    let holder = lease.spec.unwrap().holder_identity.unwrap();
+    assert!(holder == "a" || holder == "b");
+    assert_eq!(metric(&follower, "capo_leader"), Some(0.0));
+    // The leader shuts down: it gives the Lease up and the other takes over.
+    let handed_over = Instant::now();
+    leader.shutdown().await;
+    let f = follower.fence.clone().unwrap();
+    eventually("the follower to lead", Duration::from_secs(15), || {
+        let f = f.clone();
+        async move { f.is_leader().then_some(()) }
+    })
+    .await;
+    eprintln!("takeover after a graceful shutdown: {:?}", handed_over.elapsed());
+    eventually("capo_leader 1 on the new leader", Duration::from_secs(5), || async {
+        (metric(&follower, "capo_leader") == Some(1.0)).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn deleting_a_policy_never_releases_its_holds_early() {
+    let (client, ns) = setup("rel-pdel").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "4s", "releaseInterval": "100ms" }),
+    )
+    .await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("deletion allowed");
+    let rec = wait_status(&client, ip).await;
+    let release_at = rec.status.unwrap().release_at.unwrap().0;
+    Api::<capo_api::CapoPolicy>::all(client.clone()).delete(&policy, &DeleteParams::default()).await.unwrap();
+    let released = wait_released(&client, ip, Duration::from_secs(20)).await;
+    let late = released.duration_since(release_at).as_secs_f64();
+    assert!(late >= -0.05, "a deleted policy's hold was released {late:.3}s early");
+    assert!(late <= 1.2, "released {late:.3}s late");
+}
+
+#[tokio::test]
+async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage() {
+    let (client, ns) = setup("rel-repair").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }),
+    )
+    .await;
+    // A real hold, whose entry is then lost (a restore, a hand edit).
+    let held = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("deletion allowed");
+    wait_status(&client, held).await;
+    let orphan = Ips::v4();
+    let api = Api::<DynamicObject>::all_with(client.clone(), &V1.ip_reservation());
+    let name = format!("capo-{policy}");
+    api.patch(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "spec": { "reservedCIDRs": [cidr(orphan), "198.19.240.0/24", "198.19.241.7/31"] } })),
+    )
+    .await
+    .unwrap();
+    // The orphan is adopted, the lost entry written back, the garbage removed.
+    let c = &client;
+    let adopted = eventually("the orphan adopted", Duration::from_secs(20), || async move {
+        let r = record(c, orphan).await?;
+        r.status.as_ref()?.release_at.as_ref()?;
+        Some(r)
+    })
+    .await;
+    assert_eq!(adopted.spec.trigger, HoldTrigger::Adopted);
+    assert_eq!(adopted.spec.reserve_for, "1h");
+    let mut want = vec![cidr(held), cidr(orphan)];
+    want.sort();
+    eventually("entries repaired", Duration::from_secs(20), || {
+        let want = want.clone();
+        let client = client.clone();
+        let policy = policy.clone();
+        async move {
+            let mut got = entries(&client, &policy).await;
+            got.sort();
+            (got == want).then_some(())
+        }
+    })
+    .await;
+    assert!(record(&client, held).await.is_some(), "the real hold kept its record");
+    assert_eq!(metric(&capo, "capo_repairs_total{action=\"garbage_removed\"}"), Some(2.0));
+    assert_eq!(metric(&capo, "capo_repairs_total{action=\"adopted\"}"), Some(1.0));
+    assert!(metric(&capo, "capo_repairs_total{action=\"written_back\"}").unwrap_or(0.0) >= 1.0);
+}
+
+#[tokio::test]
+async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
+    let (client, ns) = setup("rel-net").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
+    // What a kubelet does on a node-pressure eviction: no API request capo could review.
+    Api::<Pod>::namespaced(client.clone(), &ns.name)
+        .patch_status(
+            "redis-0",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "phase": "Failed", "reason": "Evicted" } })),
+        )
+        .await
+        .unwrap();
+    let c = &client;
+    let rec =
+        eventually("the safety net to hold", Duration::from_secs(20), || async move { record(c, ip).await }).await;
+    assert_eq!(rec.spec.trigger, HoldTrigger::SafetyNet);
+    assert!(entries(&client, &policy).await.contains(&cidr(ip)));
+    assert_eq!(metric(&capo, &format!("capo_safety_net_holds_total{{policy=\"{policy}\"}}")), Some(1.0));
+    // Its clock runs from the terminal phase: status.podGoneAt is set although the Pod exists.
+    let rec = wait_status(&client, ip).await;
+    assert!(rec.status.unwrap().pod_gone_at.is_some());
+
+    // A second Failed Pod whose IP another running Pod already has: not reserved.
+    let shared_ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("other", &[("app", "web")], &[]), &[shared_ip]).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("late", &[("app", "redis")], &[]), &[shared_ip]).await;
+    Api::<Pod>::namespaced(client.clone(), &ns.name)
+        .patch_status("late", &PatchParams::default(), &Patch::Merge(json!({ "status": { "phase": "Failed" } })))
+        .await
+        .unwrap();
+    eventually("the lost race counted", Duration::from_secs(20), || async {
+        (metric(&capo, &format!("capo_safety_net_lost_races_total{{policy=\"{policy}\"}}")) == Some(1.0)).then_some(())
+    })
+    .await;
+    assert!(record(&client, shared_ip).await.is_none(), "someone else's address was not reserved");
+}
+
+#[tokio::test]
+async fn a_pdb_refused_eviction_does_not_leave_a_hold_forever() {
+    let (client, ns) = setup("rel-pdb").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(3)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "zk" } } })).await;
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    pods.create(&PostParams::default(), &kwok_pod("zk-0", &[("app", "zk")])).await.unwrap();
+    let pod = wait_running(&client, &ns.name, "zk-0").await;
+    let ip = pod_ips(&pod)[0];
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "zk" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "zk" } } },
+    }))
+    .unwrap();
+    Api::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &pdb).await.unwrap();
+    let refused = pods.evict("zk-0", &EvictParams::default()).await;
+    assert!(matches!(&refused, Err(kube::Error::Api(s)) if s.code == 429), "the PDB refuses: {refused:?}");
+    // capo held before the PDB said no; the Pod stays, so the hold is dropped after the grace.
+    let rec = record(&client, ip).await.expect("held on the eviction");
+    assert_eq!(rec.spec.trigger, HoldTrigger::Eviction);
+    wait_released(&client, ip, Duration::from_secs(20)).await;
+    assert!(!entries(&client, &policy).await.contains(&cidr(ip)));
+    assert!(pods.get("zk-0").await.is_ok(), "the Pod still runs");
+    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"pod-kept\"}}")), Some(1.0));
+}
+
+#[tokio::test]
+async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says_so() {
+    let (client, ns) = setup("rel-early").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let early = format!("{}-early", ns.name);
+    let keep = format!("{}-keep", ns.name);
+    apply_policy(
+        &client,
+        &early,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h",
+                "releaseEarly": { "workloadDeleted": true, "namespaceDeleted": true }, "releaseInterval": "100ms" }),
+    )
+    .await;
+    apply_policy(
+        &client,
+        &keep,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "kafka" } }, "reserveFor": "1h" }),
+    )
+    .await;
+    // A StatefulSet whose Pod no scheduler places: the test plays its CNI.
+    let sts: k8s_openapi::api::apps::v1::StatefulSet = serde_json::from_value(json!({
+        "metadata": { "name": "redis" },
+        "spec": { "replicas": 1, "serviceName": "redis", "selector": { "matchLabels": { "app": "redis" } },
+                  "template": { "metadata": { "labels": { "app": "redis" } },
+                                "spec": { "schedulerName": "capo-tests-no-scheduler",
+                                          "containers": [{ "name": "c", "image": "registry.invalid/x:1" }] } } },
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(client.clone(), &ns.name)
+        .create(&PostParams::default(), &sts)
+        .await
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    eventually("the StatefulSet's Pod", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move { pods.get_opt("redis-0").await.ok()? }
+    })
+    .await;
+    let by_sts = Ips::v4();
+    let status = json!({ "status": { "phase": "Running", "podIP": by_sts.to_string(), "podIPs": [{ "ip": by_sts.to_string() }] } });
+    pods.patch_status("redis-0", &PatchParams::default(), &Patch::Merge(status)).await.unwrap();
+    let kafka = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("kafka-0", &[("app", "kafka")], &[]), &[kafka]).await;
+    let loose = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("redis-x", &[("app", "redis")], &[]), &[loose]).await;
+    for pod in ["redis-0", "kafka-0", "redis-x"] {
+        delete_pod(&client, &ns.name, pod).await.unwrap();
+    }
+    for ip in [by_sts, kafka, loose] {
+        wait_status(&client, ip).await;
+    }
+    // The StatefulSet goes: its Pod's IP is released early.
+    Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(client.clone(), &ns.name)
+        .delete("redis", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_released(&client, by_sts, Duration::from_secs(20)).await;
+    assert_eq!(
+        metric(&capo, &format!("capo_releases_total{{policy=\"{early}\",reason=\"workload-gone\"}}")),
+        Some(1.0)
+    );
+    assert!(record(&client, loose).await.is_some(), "no workload gone for this one yet");
+    // The namespace goes: the early policy releases, the other keeps its hold.
+    delete_namespace_and_wait(&client, &ns.name).await;
+    wait_released(&client, loose, Duration::from_secs(20)).await;
+    assert_eq!(
+        metric(&capo, &format!("capo_releases_total{{policy=\"{early}\",reason=\"workload-gone\"}}")),
+        Some(2.0)
+    );
+    let still = record(&client, kafka).await.expect("the other policy keeps its hold when the namespace goes");
+    assert!(still.status.unwrap().release_at.is_some());
+    drop(capo);
+}
