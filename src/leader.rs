@@ -153,44 +153,40 @@ impl Drop for Election {
     }
 }
 
-/// While the lease manager says this replica leads, reads the Lease back every
-/// `grace / 2` and extends the fence to `renewTime + duration - grace` (in local time).
+/// Watches the Lease and extends the fence to `renewTime + duration - grace / 2` (in
+/// local time) whenever it shows this replica as holder: the holder renews `grace` before
+/// expiry, so a healthy leader's fence never closes, and one that cannot renew stops
+/// writing before any other replica can take the Lease (at `renewTime + duration`).
 async fn confirm_loop(
     client: Client,
     settings: LeaderSettings,
-    mut leading: watch::Receiver<bool>,
+    _leading: watch::Receiver<bool>,
     confirmed_until: Arc<Mutex<Option<Instant>>>,
 ) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
     let api = Api::<Lease>::namespaced(client, &settings.namespace);
-    let every = (settings.grace / 2).max(Duration::from_millis(250));
-    loop {
-        if !*leading.borrow() {
-            *confirmed_until.lock().expect("fence lock") = None;
-            if leading.changed().await.is_err() {
-                return;
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", settings.lease_name));
+    let margin = settings.grace / 2;
+    let mut leases = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
+    while let Some(event) = leases.next().await {
+        let lease = match event {
+            Ok(lease) => lease,
+            Err(e) => {
+                warn!(error = %e, "watching the Lease failed; the fence closes when it expires");
+                continue;
             }
-            continue;
-        }
-        match api.get(&settings.lease_name).await {
-            Ok(lease) => {
-                let spec = lease.spec.unwrap_or_default();
-                let holder = spec.holder_identity.unwrap_or_default();
-                let until = if holder == settings.identity {
-                    spec.renew_time.map(|t| {
-                        let renewed = std::time::SystemTime::from(t.0);
-                        let age = std::time::SystemTime::now().duration_since(renewed).unwrap_or_default();
-                        Instant::now() - age + settings.duration.saturating_sub(settings.grace)
-                    })
-                } else {
-                    None
-                };
-                *confirmed_until.lock().expect("fence lock") = until;
-            }
-            Err(e) => warn!(error = %e, "could not read the Lease back; the fence closes when it expires"),
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            r = leading.changed() => if r.is_err() { return },
-        }
+        };
+        let spec = lease.spec.unwrap_or_default();
+        let until = (spec.holder_identity.as_deref() == Some(settings.identity.as_str()))
+            .then_some(spec.renew_time)
+            .flatten()
+            .map(|t| {
+                let renewed = std::time::SystemTime::from(t.0);
+                let age = std::time::SystemTime::now().duration_since(renewed).unwrap_or_default();
+                let valid = settings.duration.saturating_sub(margin).saturating_sub(age);
+                Instant::now() + valid
+            });
+        *confirmed_until.lock().expect("fence lock") = until;
     }
 }

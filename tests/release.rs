@@ -13,8 +13,8 @@ use capo::release::{EngineSettings, PlanSettings};
 use capo_api::{CalicoApiGroup, HoldTrigger, ReservedIP};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
+use kube::Client;
 use kube::api::{Api, DeleteParams, DynamicObject, EvictParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::*;
 
@@ -479,4 +479,97 @@ async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says
     let still = record(&client, kafka).await.expect("the other policy keeps its hold when the namespace goes");
     assert!(still.status.unwrap().release_at.is_some());
     drop(capo);
+}
+
+/// Runs the `capo` binary's operator subcommand against the test control plane.
+/// Async, so the in-process capo keeps running while the command waits for it.
+async fn capo_cli(args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
+        .args(args)
+        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+        .output()
+        .await
+        .expect("run capo");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes() {
+    let (client, ns) = setup("rel-cli").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "maxReserved": 7, "releaseInterval": "100ms" }),
+    )
+    .await;
+    let a = selected_pod(&client, &ns.name, "redis-0", false).await;
+    let b = selected_pod(&client, &ns.name, "redis-1", false).await;
+    for pod in ["redis-0", "redis-1"] {
+        delete_pod(&client, &ns.name, pod).await.unwrap();
+    }
+    wait_status(&client, a).await;
+    wait_status(&client, b).await;
+
+    let (code, out, err) = capo_cli(&["holds"]).await;
+    assert_eq!(code, 0, "{err}");
+    let line = out.lines().find(|l| l.starts_with(&a.to_string())).unwrap_or_else(|| panic!("{a} not listed:\n{out}"));
+    assert!(
+        line.contains(&format!("{}/redis-0", ns.name)) && line.contains(&policy) && line.contains("Delete"),
+        "{line}"
+    );
+    assert!(line.contains("39m"), "due in about 40m: {line}");
+    assert!(out.starts_with("IP "), "a header: {out}");
+
+    let (code, out, _) = capo_cli(&["holds", "-o", "json"]).await;
+    assert_eq!(code, 0);
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).expect("JSON");
+    let row = rows.iter().find(|r| r["ip"] == a.to_string()).expect("listed");
+    assert_eq!(row["policy"], policy.as_str());
+    assert!(row["dueInSeconds"].as_i64().unwrap() > 2300);
+
+    let (code, out, _) = capo_cli(&["policies"]).await;
+    assert_eq!(code, 0);
+    let line = out.lines().find(|l| l.starts_with(&policy)).expect("policy listed");
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(&cols[1..], &["Ready", "Compiled", "2", "7", "40m"], "{line}");
+
+    let (code, out, err) = capo_cli(&["extend", &b.to_string(), "--for", "2h"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("extended by admin") || out.contains("extended by"), "{out}");
+    let rec = record(&client, b).await.unwrap();
+    let manual = rec.spec.manual.clone().expect("the record shows who");
+    assert_eq!(manual.action, capo_api::ManualAction::Extend);
+    assert!(!manual.by.is_empty() && manual.by != "unknown", "{manual:?}");
+    let due = rec.status.unwrap().release_at.unwrap().0.duration_since(Timestamp::now()).as_secs();
+    assert!((7100..=7200).contains(&due), "released in about 2h: {due}s");
+
+    let (code, out, err) = capo_cli(&["release", &a.to_string()]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("{a} released")), "{out}");
+    assert!(record(&client, a).await.is_none());
+    assert!(!entries(&client, &policy).await.contains(&cidr(a)));
+    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"manual\"}}")), Some(1.0));
+
+    let (code, _, err) = capo_cli(&["release", "192.0.2.250"]).await;
+    assert_eq!(code, 3, "unknown IP: {err}");
+    assert!(err.contains("no hold for 192.0.2.250"), "{err}");
+    let (code, _, err) = capo_cli(&["extend", "192.0.2.250", "--for", "1h"]).await;
+    assert_eq!(code, 3, "{err}");
+    let (code, _, err) = capo_cli(&["extend", &b.to_string(), "--for", "soon"]).await;
+    assert_eq!(code, 2, "a bad duration is a usage error: {err}");
+
+    // With no leader, a release request is written but not carried out: exit 5, still held.
+    drop(capo);
+    let (code, _, err) = capo_cli(&["release", &b.to_string(), "--wait", "2s"]).await;
+    assert_eq!(code, 5, "{err}");
+    assert!(err.contains("did not act in time"), "{err}");
+    assert!(record(&client, b).await.is_some(), "only a leader releases");
 }

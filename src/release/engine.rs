@@ -175,6 +175,7 @@ impl Run<'_> {
     /// One plan, carried out. Returns when to plan again at the latest.
     async fn round(&mut self) -> Result<Option<Timestamp>, ReleaseError> {
         let records = self.records();
+        debug!(records = records.len(), "leader: planning");
         let reservations = self.reservations();
         let policies = self.policies();
         let views = &self.views;
@@ -194,6 +195,7 @@ impl Run<'_> {
         self.figures(&plan, &policies);
         self.announce(&records).await;
         let wake = plan.wake_at;
+        debug!(?plan, "leader: plan");
         self.carry_out(plan, &policies).await?;
         let net_wake = self.safety_net(&records).await?;
         Ok(match (wake, net_wake) {
@@ -267,11 +269,12 @@ impl Run<'_> {
         policies: &BTreeMap<String, Arc<CompiledPolicy>>,
     ) -> Result<(), ReleaseError> {
         let stop = |e: ReleaseError| matches!(e, ReleaseError::NotLeader(_)).then_some(e);
-        for (record, status) in &plan.status {
-            if let Err(e) = self.writes.write_status(record, status).await
-                && let Some(e) = stop(e)
-            {
-                return Err(e);
+        for (record, policy, status) in &plan.status {
+            if let Err(e) = self.writes.write_status(record, status).await {
+                self.failed(policy, &e).await;
+                if let Some(e) = stop(e) {
+                    return Err(e);
+                }
             }
         }
         for policy in &plan.over_cap {

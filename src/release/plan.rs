@@ -175,7 +175,8 @@ pub struct PolicyFigures {
 
 #[derive(Debug, Default, PartialEq)]
 pub struct Plan {
-    pub status: Vec<(String, ReservedIPStatus)>,
+    /// (record, policy, the status it should have)
+    pub status: Vec<(String, String, ReservedIPStatus)>,
     pub releases: Vec<ReleaseBatch>,
     pub write_back: Vec<WriteBack>,
     pub drop_records: Vec<DropRecord>,
@@ -365,7 +366,7 @@ impl Planner {
                 due = Some((m.at.0.min(now), ReleaseReason::Manual));
             }
             if desired != current {
-                plan.status.push((rec.name_any(), desired));
+                plan.status.push((rec.name_any(), spec.policy.clone(), desired));
             }
 
             let entry_present = present.get(spec.reservation.as_str()).is_some_and(|e| e.contains(spec.cidr.as_str()));
@@ -655,7 +656,7 @@ mod tests {
         // Gone: podGoneAt is now, releaseAt now + 60s, and the planner wakes then.
         f.pods.clear();
         let plan = f.plan(&mut planner, 200.0);
-        let (_, st) = &plan.status[0];
+        let (_, _, st) = &plan.status[0];
         assert_eq!(st.pod_gone_at.as_ref().unwrap().0, at(200.0));
         assert_eq!(st.release_at.as_ref().unwrap().0, at(260.0));
         assert_eq!(plan.wake_at, Some(at(260.0)));
@@ -675,7 +676,7 @@ mod tests {
         f.hold(r.clone());
         f.pod(&r, false, "Failed");
         let plan = f.plan(&mut Planner::default(), 10.0);
-        assert_eq!(plan.status[0].1.pod_gone_at.as_ref().unwrap().0, at(10.0));
+        assert_eq!(plan.status[0].2.pod_gone_at.as_ref().unwrap().0, at(10.0));
     }
 
     #[test]
@@ -686,7 +687,7 @@ mod tests {
         f.pod(&r, false, "Running");
         f.pods[0].uid = "someone-else".into();
         let plan = f.plan(&mut Planner::default(), 10.0);
-        assert!(plan.status[0].1.pod_gone_at.is_some());
+        assert!(plan.status[0].2.pod_gone_at.is_some());
     }
 
     #[test]
@@ -697,10 +698,10 @@ mod tests {
         f.pod(&r, false, "Running");
         let mut planner = Planner::new(PlanSettings { kept_pod_grace: Duration::from_secs(30), ..Default::default() });
         let plan = f.plan(&mut planner, 10.0);
-        assert_eq!(plan.status[0].1.pod_kept_since.as_ref().unwrap().0, at(10.0));
+        assert_eq!(plan.status[0].2.pod_kept_since.as_ref().unwrap().0, at(10.0));
         assert_eq!(plan.wake_at, Some(at(40.0)));
         let mut kept = (*f.records[0]).clone();
-        kept.status = Some(plan.status[0].1.clone());
+        kept.status = Some(plan.status[0].2.clone());
         f.records = vec![Arc::new(kept)];
         assert!(f.plan(&mut planner, 39.0).releases.is_empty());
         assert_eq!(released(&f.plan(&mut planner, 40.0)), vec![("10.0.0.1/32".into(), ReleaseReason::PodKept)]);
@@ -803,7 +804,7 @@ mod tests {
         });
         f.hold(Arc::new(r.clone()));
         let plan = f.plan(&mut Planner::default(), 100.0);
-        assert_eq!(plan.status[0].1.release_at.as_ref().unwrap().0, at(7200.0));
+        assert_eq!(plan.status[0].2.release_at.as_ref().unwrap().0, at(7200.0));
         assert!(plan.releases.is_empty());
         r.spec.manual = Some(ManualChange {
             action: ManualAction::Release,
