@@ -21,7 +21,8 @@ target/debug/crdgen --calico | kubectl apply -f - >/dev/null
 kubectl wait --for=condition=Established crd --all --timeout=60s >/dev/null
 run kubectl get crd
 
-say "capo, serving its webhook at https://127.0.0.1:9443 (its own CA, self-registered)"
+say "capo, serving its webhook at https://127.0.0.1:9443 (its own CA, self-registered), and leading"
+kubectl create namespace capo-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 log="$(pwd)/.testenv/capo.log"
 target/debug/capo --webhook-addr 127.0.0.1:9443 --probe-addr 127.0.0.1:8081 \
   --self-register-url https://127.0.0.1:9443 >"$log" 2>&1 &
@@ -35,7 +36,9 @@ done
 echo "capo is ready (log: $log)"
 
 say "A CapoPolicy: StatefulSet Pods in namespaces labelled ip-reserve=enabled"
-run kubectl apply -f config/samples/statefulsets.yaml
+echo "(for the demo the hold lasts 20s instead of the sample's 40m, so you can watch it end)"
+sed 's/^  reserveFor: .*/  reserveFor: 20s/' config/samples/statefulsets.yaml | kubectl apply -f - >/dev/null
+run kubectl get capopolicy statefulsets -o jsonpath='{.metadata.name}: reserveFor={.spec.reserveFor} maxReserved={.spec.maxReserved}{"\n"}'
 kubectl create namespace redis --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 kubectl label namespace redis ip-reserve=enabled --overwrite >/dev/null
 kubectl wait --for=condition=Ready capopolicy/statefulsets --timeout=30s >/dev/null
@@ -83,5 +86,22 @@ if [[ "$new_ip" == "$old_ip" ]]; then
   exit 1
 fi
 echo
-echo "redis-0: $old_ip -> $new_ip; $old_ip stays held (see the ReservedIP above)."
+echo "redis-0: $old_ip -> $new_ip; $old_ip stays held until its TTL runs out."
+
+say "The leader counts the hold down from the moment the old Pod was gone (capo holds)"
+run target/debug/capo holds
+for _ in $(seq 60); do
+  kubectl get reservedip "$old_ip" >/dev/null 2>&1 || break
+  sleep 5
+  target/debug/capo holds | sed -n "1p;/^$old_ip /p"
+done
+
+say "Released: the entry left the IPReservation and the record is gone"
+run target/debug/capo holds
+run kubectl get ipreservations.crd.projectcalico.org capo-statefulsets -o jsonpath='{.metadata.name}: {.spec.reservedCIDRs}{"\n"}'
+if kubectl get reservedip "$old_ip" >/dev/null 2>&1; then
+  echo "unexpected: $old_ip is still held" >&2
+  exit 1
+fi
+grep "released" "$log" | tail -n 3 || true
 echo "The control plane keeps running: export KUBECONFIG=$KUBECONFIG; 'make testenv-down' stops it."

@@ -155,7 +155,7 @@ impl App {
 
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
-            caches: caches.clone(),
+            caches,
             store: HoldStore::new(client.clone(), calico_api),
             client: client.clone(),
             metrics: metrics.clone(),
@@ -222,7 +222,6 @@ impl App {
                     settings: release.engine.clone(),
                     metrics: metrics.clone(),
                     matcher: matcher.clone(),
-                    caches: caches.clone(),
                     identity: release.identity.clone(),
                 });
                 tasks.push(tokio::spawn(lead(engine, fence.clone(), metrics.clone())));

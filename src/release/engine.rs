@@ -18,7 +18,6 @@ use tracing::{debug, info, warn};
 use super::plan::{Plan, PlanSettings, Planner, ReleaseReason, ReservationView, World};
 use super::watches::Views;
 use super::writes::{LeaderWrites, RecordFate, ReleaseError};
-use crate::cache::Caches;
 use crate::hold::{HoldRequest, HoldStore, RecordOutcome};
 use crate::leader::Fence;
 use crate::metrics::Metrics;
@@ -40,7 +39,6 @@ pub struct ReleaseEngine {
     pub settings: EngineSettings,
     pub metrics: Arc<Metrics>,
     pub matcher: SharedMatcher,
-    pub caches: Arc<Caches>,
     pub identity: String,
 }
 
@@ -179,9 +177,8 @@ impl Run<'_> {
         let reservations = self.reservations();
         let policies = self.policies();
         let views = &self.views;
-        let caches = &self.engine.caches;
         let pod = |ns: &str, name: &str| views.pod(ns, name).map(|p| Arc::new(PodFacts::from_pod(&p)));
-        let namespace_exists = |ns: &str| caches.namespace(ns).is_some();
+        let namespace_exists = |ns: &str| views.namespace(ns).is_some();
         let workload_exists = |ns: &str, kind: &str, name: &str| views.workload_exists(ns, kind, name);
         let plan = self.planner.plan(&World {
             now: Timestamp::now(),
@@ -418,14 +415,14 @@ impl Run<'_> {
                     continue;
                 }
             }
-            let Some(ns) = self.engine.caches.namespace(&facts.namespace) else { continue };
+            let Some((ns_labels, ns_terminating)) = self.views.namespace(&facts.namespace) else { continue };
             let owner_gone = facts
                 .controller
                 .as_ref()
                 .is_some_and(|(kind, name)| self.views.workload_exists(&facts.namespace, kind, name) == Some(false));
             let ctx = RequestContext {
-                namespace_labels: &ns.labels,
-                namespace_terminating: ns.terminating,
+                namespace_labels: &ns_labels,
+                namespace_terminating: ns_terminating,
                 by_garbage_collector: owner_gone,
             };
             if let Decision::Hold(plan) = self.engine.matcher.load().decide(facts, &ctx)

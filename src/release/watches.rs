@@ -7,7 +7,7 @@ use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
 use capo_api::{CalicoApiGroup, CapoPolicy, ReservedIP};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{ReplicaSet, StatefulSet};
-use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Namespace, Pod, PodSpec, PodStatus};
 use kube::api::{Api, DynamicObject};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store, reflector};
@@ -25,6 +25,7 @@ pub struct Views {
     pub policies: Store<CapoPolicy>,
     pub statefulsets: Store<PartialObjectMeta<StatefulSet>>,
     pub replicasets: Store<PartialObjectMeta<ReplicaSet>>,
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
     pub changed: Arc<Notify>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -104,7 +105,12 @@ impl Views {
             .default_backoff();
         tasks.push(spawn_watch("replicasets", reflector(w, s), changed.clone()));
 
-        Views { records, reservations, pods, policies, statefulsets, replicasets, changed, tasks }
+        let (namespaces, w) = reflector::store();
+        let s = watcher(Api::<PartialObjectMeta<Namespace>>::all(client.clone()), watcher::Config::default())
+            .default_backoff();
+        tasks.push(spawn_watch("namespaces", reflector(w, s), changed.clone()));
+
+        Views { records, reservations, pods, policies, statefulsets, replicasets, namespaces, changed, tasks }
     }
 
     /// Waits until every store has its first full list.
@@ -115,6 +121,16 @@ impl Views {
         let _ = self.policies.wait_until_ready().await;
         let _ = self.statefulsets.wait_until_ready().await;
         let _ = self.replicasets.wait_until_ready().await;
+        let _ = self.namespaces.wait_until_ready().await;
+    }
+
+    /// A namespace's labels (with `kubernetes.io/metadata.name`) and whether it is being
+    /// deleted; `None` if it does not exist.
+    pub fn namespace(&self, name: &str) -> Option<(std::collections::BTreeMap<String, String>, bool)> {
+        let ns = self.namespaces.get(&ObjectRef::new(name))?;
+        let mut labels = ns.metadata.labels.clone().unwrap_or_default();
+        labels.entry("kubernetes.io/metadata.name".into()).or_insert_with(|| name.to_string());
+        Some((labels, ns.metadata.deletion_timestamp.is_some()))
     }
 
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Arc<Pod>> {
