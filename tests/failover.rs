@@ -192,7 +192,7 @@ async fn sigkill_the_leader_during_a_storm_loses_no_hold_and_releases_each_ip_on
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     records_watch.abort();
-    let seen = seen.lock().unwrap();
+    let seen = seen.lock().unwrap().clone();
     for ip in &ips {
         let (created, deleted, release_at, deleted_at) = seen.get(&ip.to_string()).copied().unwrap_or_default();
         assert_eq!((created, deleted), (1, 1), "{ip}: held once, released once");
