@@ -204,3 +204,139 @@ async fn sigkill_the_leader_during_a_storm_loses_no_hold_and_releases_each_ip_on
     let left = reservation(&client, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.unwrap();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// A control plane of this test's own, whose components can be restarted. Its components
+/// die with the thread that started them, so that thread owns it and takes restart
+/// requests until the handle is dropped.
+struct PrivatePlane {
+    kubeconfig: std::path::PathBuf,
+    requests: std::sync::mpsc::Sender<(String, std::sync::mpsc::Sender<Result<(), String>>)>,
+}
+
+fn private_plane(name: &str) -> PrivatePlane {
+    let (requests, rx) = std::sync::mpsc::channel::<(String, std::sync::mpsc::Sender<Result<(), String>>)>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
+    std::thread::spawn(move || {
+        let opts = capo_testenv::Options { state_dir: dir.clone(), nodes: 1 };
+        let mut cp = match capo_testenv::ControlPlane::start(opts) {
+            Ok(cp) => cp,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e.to_string()));
+                return;
+            }
+        };
+        let _ = ready_tx.send(Ok(cp.kubeconfig.clone()));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        while let Ok((component, reply)) = rx.recv() {
+            let _ = reply.send(rt.block_on(cp.restart(&component)).map_err(|e| e.to_string()));
+        }
+        cp.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+    let kubeconfig = ready_rx.recv().unwrap().unwrap_or_else(|e| panic!("private control plane: {e}"));
+    PrivatePlane { kubeconfig, requests }
+}
+
+impl PrivatePlane {
+    async fn restart(&self, component: &str) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.requests.send((component.to_string(), tx)).unwrap();
+        tokio::task::spawn_blocking(move || rx.recv().unwrap()).await.unwrap().expect("restart");
+    }
+}
+
+async fn start_storm_capo(client: &kube::Client) -> capo::App {
+    let mut settings = capo_settings("capo-storm", &["storm"], Some(capo_api::CalicoApiGroup::CrdV1));
+    settings.release = Some(capo::app::ReleaseSettings {
+        election: Some(capo::leader::LeaderSettings {
+            lease_name: "capo".into(),
+            namespace: "default".into(),
+            identity: format!("storm-{}", Timestamp::now().as_microsecond()),
+            duration: Duration::from_secs(3),
+            grace: Duration::from_secs(1),
+        }),
+        engine: Default::default(),
+        identity: "storm".into(),
+    });
+    let app = capo::App::start(client.clone(), settings).await.expect("start capo");
+    let pods = Api::<Pod>::namespaced(client.clone(), "storm");
+    eventually("the API server to call the new capo", Duration::from_secs(60), || {
+        let pods = pods.clone();
+        let metrics = app.metrics.clone();
+        async move {
+            let _ = pods.delete("canary", &DeleteParams { dry_run: true, ..Default::default() }).await;
+            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
+        }
+    })
+    .await;
+    app
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarting_capo_and_the_api_server_during_a_storm_loses_no_hold() {
+    let plane = private_plane("storm");
+    let client = capo_testenv::client_from_kubeconfig(&plane.kubeconfig).await.unwrap();
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    // The hard guarantee for this namespace: no deletion without a hold, even while capo
+    // restarts (the webhook configuration of the crashed capo stays, failurePolicy Fail).
+    let ns: Namespace = serde_json::from_value(json!({
+        "metadata": { "name": "storm", "labels": { "capo.io/failure-policy": "Fail" } }
+    }))
+    .unwrap();
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
+    create_pod_with_ips(&client, "storm", unscheduled_pod("canary", &[], &[]), &[Ips::v4()]).await;
+    let mut capo = Some(start_storm_capo(&client).await);
+    apply_policy(&client, "storm", "storm", json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }))
+        .await;
+    let mut ips = Vec::new();
+    for i in 0..30 {
+        let ip = Ips::v4();
+        create_pod_with_ips(&client, "storm", unscheduled_pod(&format!("redis-{i}"), &[("app", "redis")], &[]), &[ip])
+            .await;
+        ips.push(ip);
+    }
+    // Deletions one after another, each retried until the API server (and capo) allow it.
+    let storm = {
+        let pods = Api::<Pod>::namespaced(client.clone(), "storm");
+        tokio::spawn(async move {
+            let mut refused = 0;
+            for i in 0..30 {
+                let deadline = Instant::now() + Duration::from_secs(90);
+                loop {
+                    match pods.delete(&format!("redis-{i}"), &DeleteParams::default()).await {
+                        Ok(_) => break,
+                        Err(kube::Error::Api(s)) if s.code == 404 => break,
+                        Err(_) => refused += 1,
+                    }
+                    assert!(Instant::now() < deadline, "redis-{i} could not be deleted");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            refused
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    plane.restart("kube-apiserver").await;
+    // capo crashes (no clean shutdown: its webhook configuration stays) and comes back.
+    drop(capo.take());
+    capo = Some(start_storm_capo(&client).await);
+    let refused = storm.await.unwrap();
+    eprintln!("deletions refused or failed during the restarts: {refused}");
+    let entries = reservation(&client, capo_api::CalicoApiGroup::CrdV1, "capo-storm").await.unwrap();
+    for ip in &ips {
+        assert!(entries.contains(&format!("{ip}/32")), "{ip}: entry lost");
+        assert!(record(&client, *ip).await.is_some(), "{ip}: record lost");
+    }
+    // The new leader counts every hold down.
+    let c = &client;
+    for ip in &ips {
+        eventually(&format!("{ip} counted down"), Duration::from_secs(30), || async move {
+            record(c, *ip).await?.status?.release_at.map(|_| ())
+        })
+        .await;
+    }
+    drop(capo);
+}

@@ -13,6 +13,8 @@ use crate::Error;
 pub struct Component {
     pub name: &'static str,
     child: Child,
+    bin_dir: std::path::PathBuf,
+    args: Vec<String>,
 }
 
 impl Component {
@@ -33,7 +35,14 @@ impl Component {
             });
         }
         let child = cmd.spawn().map_err(|source| Error::Io { path: bin, source })?;
-        Ok(Self { name, child })
+        Ok(Self { name, child, bin_dir: bin_dir.to_path_buf(), args: args.to_vec() })
+    }
+
+    /// Stops the process (SIGTERM, then SIGKILL) and starts it again with the same flags.
+    pub fn restart(&mut self, state_dir: &Path) -> Result<(), Error> {
+        self.stop(Duration::from_secs(10));
+        *self = Self::spawn(self.name, &self.bin_dir.clone(), &self.args.clone(), state_dir)?;
+        Ok(())
     }
 
     pub fn pid(&self) -> u32 {
