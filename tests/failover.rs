@@ -288,8 +288,13 @@ async fn restarting_capo_and_the_api_server_during_a_storm_loses_no_hold() {
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
     create_pod_with_ips(&client, "storm", unscheduled_pod("canary", &[], &[]), &[Ips::v4()]).await;
     let mut capo = Some(start_storm_capo(&client).await);
-    apply_policy(&client, "storm", "storm", json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }))
-        .await;
+    apply_policy(
+        &client,
+        "storm",
+        "storm",
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }),
+    )
+    .await;
     let mut ips = Vec::new();
     for i in 0..30 {
         let ip = Ips::v4();

@@ -104,6 +104,26 @@ async fn wait_released(client: &Client, ip: IpAddr, limit: Duration) -> Timestam
     .await
 }
 
+/// Waits for an Event with `reason` about the object `name` (in `namespace`; cluster-scoped
+/// objects get theirs in `default`).
+async fn wait_event(client: &Client, namespace: &str, name: &str, reason: &str) -> String {
+    let api = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), namespace);
+    eventually(&format!("a {reason} Event about {name}"), Duration::from_secs(20), || {
+        let api = api.clone();
+        async move {
+            let list = api.list(&Default::default()).await.ok()?;
+            list.items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                })
+                .and_then(|e| e.note)
+        }
+    })
+    .await
+}
+
 async fn wait_status(client: &Client, ip: IpAddr) -> ReservedIP {
     eventually(&format!("{ip} counted down (status.releaseAt)"), Duration::from_secs(20), || async move {
         let r = record(client, ip).await?;
@@ -214,6 +234,10 @@ async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() 
     want.sort();
     assert_eq!(left, want);
     assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}")), Some(3.0));
+    let note = wait_event(&client, "default", &policy, "CapReached").await;
+    assert!(note.contains("maxReserved=2"), "{note}");
+    let note = wait_event(&client, &ns.name, "redis-4", "IPHeld").await;
+    assert!(note.contains(&ips[4].to_string()), "{note}");
     assert_eq!(metric(&capo, &format!("capo_held_ips{{policy=\"{policy}\"}}")), Some(2.0));
     assert_eq!(metric(&capo, &format!("capo_max_reserved{{policy=\"{policy}\"}}")), Some(2.0));
 }
@@ -374,6 +398,8 @@ async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
     })
     .await;
     assert!(record(&client, shared_ip).await.is_none(), "someone else's address was not reserved");
+    let note = wait_event(&client, &ns.name, "late", "LateHoldLost").await;
+    assert!(note.contains(&shared_ip.to_string()), "{note}");
 }
 
 #[tokio::test]

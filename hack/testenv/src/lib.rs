@@ -258,11 +258,11 @@ impl ControlPlane {
     /// server, waits until it is ready again.
     pub async fn restart(&mut self, name: &str) -> Result<(), Error> {
         let state = self.state_dir.clone();
-        let c = self
-            .components
-            .iter_mut()
-            .find(|c| c.name == name)
-            .ok_or_else(|| Error::Timeout { what: format!("no component {name}"), after: Duration::ZERO, state_dir: state.clone() })?;
+        let c = self.components.iter_mut().find(|c| c.name == name).ok_or_else(|| Error::Timeout {
+            what: format!("no component {name}"),
+            after: Duration::ZERO,
+            state_dir: state.clone(),
+        })?;
         c.restart(&state)?;
         if name == "kube-apiserver" {
             self.wait_api_ready(Duration::from_secs(90)).await?;
