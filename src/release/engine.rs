@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use capo_api::keys::POLICY_LABEL;
 use capo_api::{CalicoApiGroup, HoldTrigger, ReservedIP};
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, ResourceExt};
@@ -43,7 +43,7 @@ pub struct ReleaseEngine {
 }
 
 /// Debounce: changes arriving together are planned together.
-const SETTLE_EVENTS: Duration = Duration::from_millis(20);
+const SETTLE_EVENTS: Duration = Duration::from_millis(50);
 
 struct Run<'a> {
     engine: &'a ReleaseEngine,
@@ -190,7 +190,7 @@ impl Run<'_> {
             workload_exists: &workload_exists,
         });
         self.figures(&plan, &policies);
-        self.announce(&records).await;
+        self.announce(&records);
         let wake = plan.wake_at;
         debug!(?plan, "leader: plan");
         self.carry_out(plan, &policies).await?;
@@ -226,7 +226,7 @@ impl Run<'_> {
     }
 
     /// A `Held` Event on the Pod of every record that appeared since this replica leads.
-    async fn announce(&mut self, records: &[Arc<ReservedIP>]) {
+    fn announce(&mut self, records: &[Arc<ReservedIP>]) {
         let since = self.started.checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(10)).unwrap_or(self.started);
         for r in records {
             let uid = r.uid().unwrap_or_default();
@@ -238,8 +238,21 @@ impl Run<'_> {
                 "capo holds {} in IPReservation {} (policy {}, trigger {:?}) for {} after the Pod is gone",
                 s.ip, s.reservation, s.policy, s.trigger, s.reserve_for
             );
-            self.event(&pod_ref(&s.pod.namespace, &s.pod.name, &s.pod.uid), EventType::Normal, "IPHeld", "Hold", note)
-                .await;
+            // Off the release loop: a storm of new holds must not delay releases.
+            let recorder = self.recorder.clone();
+            let reference = pod_ref(&s.pod.namespace, &s.pod.name, &s.pod.uid);
+            let ev = Event {
+                type_: EventType::Normal,
+                reason: "IPHeld".into(),
+                note: Some(note),
+                action: "Hold".into(),
+                secondary: None,
+            };
+            tokio::spawn(async move {
+                if let Err(e) = recorder.publish(&ev, &reference).await {
+                    debug!(error = %e, "could not publish an IPHeld Event");
+                }
+            });
         }
         let live: HashSet<String> = records.iter().filter_map(|r| r.uid()).collect();
         self.announced.retain(|u| live.contains(u));
@@ -394,10 +407,16 @@ impl Run<'_> {
         let now = Timestamp::now();
         let held: HashSet<(&str, String)> =
             records.iter().map(|r| (r.spec.pod.uid.as_str(), r.spec.ip.clone())).collect();
-        let pods: Vec<PodFacts> = self.views.pods.state().iter().map(|p| PodFacts::from_pod(p)).collect();
+        // Only Pods on their way out are candidates: look at those without converting the rest.
+        let ending = |p: &Pod| {
+            p.metadata.deletion_timestamp.is_some()
+                || matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+        };
+        let all = self.views.pods.state();
+        let leaving: Vec<PodFacts> = all.iter().filter(|p| ending(p)).map(|p| PodFacts::from_pod(p)).collect();
         let mut wake = None;
         let mut candidates = Vec::new();
-        for facts in &pods {
+        for facts in &leaving {
             let terminal = matches!(facts.phase.as_deref(), Some("Succeeded" | "Failed"));
             if facts.ips.is_empty() || facts.host_network || !(facts.deleting || terminal) {
                 continue;
@@ -431,11 +450,12 @@ impl Run<'_> {
                 candidates.push((facts.clone(), plan));
             }
         }
+        self.netted.retain(|uid, _| leaving.iter().any(|p| &p.uid == uid));
         if candidates.is_empty() {
-            self.netted.retain(|uid, _| pods.iter().any(|p| &p.uid == uid));
             return Ok(wake);
         }
         // Who has which IP now, to not reserve an address another Pod already got.
+        let pods: Vec<PodFacts> = all.iter().map(|p| PodFacts::from_pod(p)).collect();
         let mut owners: HashMap<IpAddr, Vec<&PodFacts>> = HashMap::new();
         for p in &pods {
             for ip in &p.ips {
