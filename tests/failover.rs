@@ -208,16 +208,29 @@ async fn sigkill_the_leader_during_a_storm_loses_no_hold_and_releases_each_ip_on
 /// A control plane of this test's own, whose components can be restarted. Its components
 /// die with the thread that started them, so that thread owns it and takes restart
 /// requests until the handle is dropped.
+type RestartRequest = (String, std::sync::mpsc::Sender<Result<(), String>>);
+
 struct PrivatePlane {
     kubeconfig: std::path::PathBuf,
-    requests: std::sync::mpsc::Sender<(String, std::sync::mpsc::Sender<Result<(), String>>)>,
+    requests: Option<std::sync::mpsc::Sender<RestartRequest>>,
+    owner: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for PrivatePlane {
+    /// Stops the components and removes the state before the test ends.
+    fn drop(&mut self) {
+        drop(self.requests.take());
+        if let Some(owner) = self.owner.take() {
+            let _ = owner.join();
+        }
+    }
 }
 
 fn private_plane(name: &str) -> PrivatePlane {
-    let (requests, rx) = std::sync::mpsc::channel::<(String, std::sync::mpsc::Sender<Result<(), String>>)>();
+    let (requests, rx) = std::sync::mpsc::channel::<RestartRequest>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
-    std::thread::spawn(move || {
+    let owner = std::thread::spawn(move || {
         let opts = capo_testenv::Options { state_dir: dir.clone(), nodes: 1 };
         let mut cp = match capo_testenv::ControlPlane::start(opts) {
             Ok(cp) => cp,
@@ -235,13 +248,13 @@ fn private_plane(name: &str) -> PrivatePlane {
         let _ = std::fs::remove_dir_all(&dir);
     });
     let kubeconfig = ready_rx.recv().unwrap().unwrap_or_else(|e| panic!("private control plane: {e}"));
-    PrivatePlane { kubeconfig, requests }
+    PrivatePlane { kubeconfig, requests: Some(requests), owner: Some(owner) }
 }
 
 impl PrivatePlane {
     async fn restart(&self, component: &str) {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.requests.send((component.to_string(), tx)).unwrap();
+        self.requests.as_ref().unwrap().send((component.to_string(), tx)).unwrap();
         tokio::task::spawn_blocking(move || rx.recv().unwrap()).await.unwrap().expect("restart");
     }
 }
@@ -344,4 +357,5 @@ async fn restarting_capo_and_the_api_server_during_a_storm_loses_no_hold() {
         .await;
     }
     drop(capo);
+    drop(plane);
 }
