@@ -53,6 +53,23 @@ fn release_settings(ns: &str, identity: &str, kept_grace: Duration) -> ReleaseSe
     }
 }
 
+/// A test's namespace, its leading capo, and its policy `<namespace>-p` (Ready).
+struct Scene {
+    client: Client,
+    ns: TestNamespace,
+    capo: capo::App,
+    policy: String,
+}
+
+async fn scene(prefix: &str, kept_grace: Duration, spec: serde_json::Value) -> Scene {
+    let (client, ns) = setup(prefix).await;
+    let capo = start_leading(&client, &ns.name, "a", kept_grace).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, spec).await;
+    Scene { client, ns, capo, policy }
+}
+
 /// A capo that serves the webhook for `ns` and competes for the leadership.
 async fn start_leading(client: &Client, ns: &str, identity: &str, kept_grace: Duration) -> capo::App {
     let mut settings: Settings = capo_settings(&format!("capo-test-{ns}-{identity}"), &[ns], None);
@@ -135,14 +152,9 @@ async fn wait_status(client: &Client, ip: IpAddr) -> ReservedIP {
 
 #[tokio::test]
 async fn a_short_ttl_is_released_on_time_and_never_before_the_pod_is_gone() {
-    let (client, ns) = setup("rel-ttl").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
+    let Scene { client, ns, capo, policy } = scene(
+        "rel-ttl",
+        Duration::from_secs(600),
         json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "2s", "releaseInterval": "100ms" }),
     )
     .await;
@@ -177,17 +189,7 @@ async fn a_short_ttl_is_released_on_time_and_never_before_the_pod_is_gone() {
 
 #[tokio::test]
 async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() {
-    let (client, ns) = setup("rel-cap").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 2, "releaseInterval": "1s" }),
-    )
-    .await;
+    let Scene { client, ns, capo, policy } = scene("rel-cap", Duration::from_secs(600), json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 2, "releaseInterval": "1s" })).await;
     let mut ips = Vec::new();
     for i in 0..5 {
         ips.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
@@ -280,14 +282,9 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
 
 #[tokio::test]
 async fn deleting_a_policy_never_releases_its_holds_early() {
-    let (client, ns) = setup("rel-pdel").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
+    let Scene { client, ns, capo: _capo, policy } = scene(
+        "rel-pdel",
+        Duration::from_secs(600),
         json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "4s", "releaseInterval": "100ms" }),
     )
     .await;
@@ -304,14 +301,9 @@ async fn deleting_a_policy_never_releases_its_holds_early() {
 
 #[tokio::test]
 async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage() {
-    let (client, ns) = setup("rel-repair").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
+    let Scene { client, ns, capo, policy } = scene(
+        "rel-repair",
+        Duration::from_secs(600),
         json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }),
     )
     .await;
@@ -360,11 +352,9 @@ async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage()
 
 #[tokio::test]
 async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
-    let (client, ns) = setup("rel-net").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+    let Scene { client, ns, capo, policy } =
+        scene("rel-net", Duration::from_secs(600), json!({ "podSelector": { "matchLabels": { "app": "redis" } } }))
+            .await;
     let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
     // What a kubelet does on a node-pressure eviction: no API request capo could review.
     Api::<Pod>::namespaced(client.clone(), &ns.name)
@@ -404,11 +394,8 @@ async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
 
 #[tokio::test]
 async fn a_pdb_refused_eviction_does_not_leave_a_hold_forever() {
-    let (client, ns) = setup("rel-pdb").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(3)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "zk" } } })).await;
+    let Scene { client, ns, capo, policy } =
+        scene("rel-pdb", Duration::from_secs(3), json!({ "podSelector": { "matchLabels": { "app": "zk" } } })).await;
     let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
     pods.create(&PostParams::default(), &kwok_pod("zk-0", &[("app", "zk")])).await.unwrap();
     let pod = wait_running(&client, &ns.name, "zk-0").await;
@@ -525,17 +512,7 @@ async fn capo_cli(args: &[&str]) -> (i32, String, String) {
 
 #[tokio::test]
 async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes() {
-    let (client, ns) = setup("rel-cli").await;
-    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "maxReserved": 7, "releaseInterval": "100ms" }),
-    )
-    .await;
+    let Scene { client, ns, capo, policy } = scene("rel-cli", Duration::from_secs(600), json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "maxReserved": 7, "releaseInterval": "100ms" })).await;
     let a = selected_pod(&client, &ns.name, "redis-0", false).await;
     let b = selected_pod(&client, &ns.name, "redis-1", false).await;
     for pod in ["redis-0", "redis-1"] {

@@ -10,7 +10,7 @@ use capo_api::reserved_ip::record_name;
 use capo_api::{CalicoApiGroup, HoldTrigger, PodRef, ReservedIP, ReservedIPSpec, ReservedIPStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, DeleteParams, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
-use kube::{Client, Error as KubeError};
+use kube::{Client, Error as KubeError, ResourceExt};
 use serde_json::json;
 use tracing::debug;
 
@@ -159,18 +159,9 @@ impl LeaderWrites {
                 self.write_back(&current.spec.reservation, &current.spec.policy, &cidr).await?;
                 return Ok(RecordFate::ReHeld);
             }
-            let dp = DeleteParams {
-                preconditions: Some(Preconditions {
-                    uid: current.metadata.uid.clone(),
-                    resource_version: current.metadata.resource_version.clone(),
-                }),
-                ..Default::default()
-            };
-            match self.records.delete(record, &dp).await {
-                Ok(_) => return Ok(RecordFate::Deleted),
-                Err(KubeError::Api(s)) if s.code == 404 => return Ok(RecordFate::AlreadyGone),
-                Err(KubeError::Api(s)) if s.code == 409 => continue,
-                Err(e) => return Err(err(e)),
+            match self.delete_unchanged(&current).await.map_err(err)? {
+                Some(fate) => return Ok(fate),
+                None => continue,
             }
         }
         Err(ReleaseError::Contention { reservation: reservation.to_string() })
@@ -186,6 +177,12 @@ impl LeaderWrites {
         if current.spec.pod.uid != pod_uid {
             return Ok(RecordFate::ReHeld);
         }
+        Ok(self.delete_unchanged(&current).await.map_err(err)?.unwrap_or(RecordFate::ReHeld))
+    }
+
+    /// Deletes the record exactly as read (uid and resourceVersion preconditions).
+    /// `None`: it changed since.
+    async fn delete_unchanged(&self, current: &ReservedIP) -> Result<Option<RecordFate>, KubeError> {
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: current.metadata.uid.clone(),
@@ -193,11 +190,11 @@ impl LeaderWrites {
             }),
             ..Default::default()
         };
-        match self.records.delete(record, &dp).await {
-            Ok(_) => Ok(RecordFate::Deleted),
-            Err(KubeError::Api(s)) if s.code == 404 => Ok(RecordFate::AlreadyGone),
-            Err(KubeError::Api(s)) if s.code == 409 => Ok(RecordFate::ReHeld),
-            Err(e) => Err(err(e)),
+        match self.records.delete(&current.name_any(), &dp).await {
+            Ok(_) => Ok(Some(RecordFate::Deleted)),
+            Err(KubeError::Api(s)) if s.code == 404 => Ok(Some(RecordFate::AlreadyGone)),
+            Err(KubeError::Api(s)) if s.code == 409 => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
