@@ -117,6 +117,17 @@ impl App {
             Some(api) => api,
             None => detect_calico_api(&client).await,
         };
+        // Every replica takes part in the election; only the leader releases and writes
+        // policy status.
+        let (election, fence) = match settings.release.as_ref().map(|r| &r.election) {
+            None => (None, None),
+            Some(Some(leader)) => {
+                let election = Election::start(client.clone(), leader.clone()).await?;
+                let fence = election.fence.clone();
+                (Some(election), Some(fence))
+            }
+            Some(None) => (None, Some(Fence::always())),
+        };
         let mut tasks = vec![
             tokio::spawn(
                 PolicyController::new(
@@ -125,6 +136,7 @@ impl App {
                     readiness.clone(),
                     metrics.clone(),
                     settings.field_manager.clone(),
+                    fence.clone(),
                 )
                 .run(),
             ),
@@ -205,29 +217,17 @@ impl App {
         }
         info!("caches synced; ready");
 
-        let (election, fence) = match &settings.release {
-            None => (None, None),
-            Some(release) => {
-                let (election, fence) = match &release.election {
-                    Some(leader) => {
-                        let election = Election::start(client.clone(), leader.clone()).await?;
-                        let fence = election.fence.clone();
-                        (Some(election), fence)
-                    }
-                    None => (None, Fence::always()),
-                };
-                let engine = Arc::new(ReleaseEngine {
-                    client: client.clone(),
-                    group: calico_api,
-                    settings: release.engine.clone(),
-                    metrics: metrics.clone(),
-                    matcher: matcher.clone(),
-                    identity: release.identity.clone(),
-                });
-                tasks.push(tokio::spawn(lead(engine, fence.clone(), metrics.clone())));
-                (election, Some(fence))
-            }
-        };
+        if let (Some(release), Some(fence)) = (&settings.release, &fence) {
+            let engine = Arc::new(ReleaseEngine {
+                client: client.clone(),
+                group: calico_api,
+                settings: release.engine.clone(),
+                metrics: metrics.clone(),
+                matcher: matcher.clone(),
+                identity: release.identity.clone(),
+            });
+            tasks.push(tokio::spawn(lead(engine, fence.clone(), metrics.clone())));
+        }
 
         let mut registered = None;
         if let (Some(reg), Some(ca_pem)) = (&settings.self_register, ca_pem) {

@@ -16,6 +16,7 @@ use tracing::{info, warn};
 
 use super::{CompiledPolicy, Matcher, PolicyError};
 use crate::health::Readiness;
+use crate::leader::Fence;
 use crate::metrics::Metrics;
 
 /// The matcher the admission path reads: a lock-free pointer swap per policy change.
@@ -27,6 +28,8 @@ pub struct PolicyController {
     readiness: Arc<Readiness>,
     metrics: Arc<Metrics>,
     field_manager: String,
+    /// Only the leader writes policy status; `None`: this process always does.
+    status_fence: Option<Fence>,
 }
 
 impl PolicyController {
@@ -36,8 +39,19 @@ impl PolicyController {
         readiness: Arc<Readiness>,
         metrics: Arc<Metrics>,
         field_manager: String,
+        status_fence: Option<Fence>,
     ) -> Self {
-        Self { client, matcher, readiness, metrics, field_manager }
+        Self { client, matcher, readiness, metrics, field_manager, status_fence }
+    }
+
+    /// Resolves when this replica becomes (or stops being) the leader; never without a fence.
+    async fn leadership_changed(fence: &mut Option<Fence>, leading: &mut bool) {
+        match fence {
+            None => std::future::pending().await,
+            Some(f) if *leading => f.lost().await,
+            Some(f) => f.acquired().await,
+        }
+        *leading = !*leading;
     }
 
     pub async fn run(self) {
@@ -45,7 +59,22 @@ impl PolicyController {
         let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut policies: BTreeMap<String, CapoPolicy> = BTreeMap::new();
         let mut listing: BTreeMap<String, CapoPolicy> = BTreeMap::new();
-        while let Some(event) = events.next().await {
+        let mut fence = self.status_fence.clone();
+        let mut leading = false;
+        loop {
+            let event = tokio::select! {
+                event = events.next() => match event {
+                    Some(e) => e,
+                    None => return,
+                },
+                _ = Self::leadership_changed(&mut fence, &mut leading) => {
+                    if leading {
+                        // A new leader brings every policy's status up to date.
+                        self.rebuild(&policies).await;
+                    }
+                    continue;
+                }
+            };
             match event {
                 Ok(watcher::Event::Init) => listing.clear(),
                 Ok(watcher::Event::InitApply(p)) => {
@@ -96,6 +125,9 @@ impl PolicyController {
     }
 
     async fn update_status(&self, policy: &CapoPolicy, mut condition: Condition) {
+        if self.status_fence.as_ref().is_some_and(|f| !f.is_leader()) {
+            return;
+        }
         let current = policy.status.clone().unwrap_or_default();
         let existing = current.condition(READY_CONDITION);
         let generation = policy.metadata.generation;
