@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use capo_api::{HoldFailureAction, HoldTrigger};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::Api;
@@ -88,12 +89,57 @@ fn bad_request(message: String) -> Response {
     (StatusCode::BAD_REQUEST, message).into_response()
 }
 
+/// The largest AdmissionReview capo reads: a Pod and its old version are each at most
+/// about 1.5 MiB (etcd's object limit).
+const MAX_REVIEW_BYTES: usize = 4 << 20;
+/// Past the limit the rest of the body is still read (and dropped), up to this much, so
+/// the client gets the 413 and its reason instead of a reset connection.
+const MAX_DRAIN_BYTES: usize = 64 << 20;
+
+/// Reads the request body, or answers 413 when it is larger than any AdmissionReview.
+async fn read_review(body: Body) -> Result<Bytes, Response> {
+    let mut stream = body.into_data_stream();
+    let mut buf = Vec::new();
+    let mut total = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| bad_request(format!("reading the AdmissionReview: {e}")))?;
+        total += chunk.len();
+        if total <= MAX_REVIEW_BYTES {
+            buf.extend_from_slice(&chunk);
+        } else if total > MAX_DRAIN_BYTES {
+            break;
+        }
+    }
+    if total > MAX_REVIEW_BYTES {
+        let message =
+            format!("request body of {total} bytes or more: an AdmissionReview is at most {MAX_REVIEW_BYTES} bytes");
+        return Err((StatusCode::PAYLOAD_TOO_LARGE, message).into_response());
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// `kubectl drain --dry-run=server` sends Evictions whose body says `dryRun` while the
+/// admission request itself does not.
+fn eviction_is_dry_run(eviction: Option<&DynamicObject>) -> bool {
+    eviction
+        .and_then(|e| e.data.pointer("/deleteOptions/dryRun"))
+        .and_then(|v| v.as_array())
+        .is_some_and(|a| !a.is_empty())
+}
+
 async fn serve(
     State(adm): State<Arc<Admission>>,
     Query(query): Query<HashMap<String, String>>,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     let started = Instant::now();
+    let body = match read_review(body).await {
+        Ok(b) => b,
+        Err(too_large) => {
+            adm.metrics.admission_requests.with_label_values(&["unknown", "too_large"]).inc();
+            return too_large;
+        }
+    };
     let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -185,7 +231,7 @@ impl Admission {
             }
             Decision::Hold(plan) => plan,
         };
-        if req.dry_run {
+        if req.dry_run || (kind == Kind::Eviction && eviction_is_dry_run(req.object.as_ref())) {
             let mut warnings = plan.warnings.clone();
             warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), plan.policy.reservation_name()));
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));

@@ -1,0 +1,85 @@
+//! Admission-path defects found by trying to break it, each proven against a real API
+//! server calling capo over TLS.
+
+mod support;
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, EvictParams};
+use serde_json::json;
+use support::*;
+
+async fn setup(prefix: &str) -> (Client, TestNamespace) {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    let ns = TestNamespace::create(&client, prefix).await;
+    (client, ns)
+}
+
+fn metric(app: &capo::App, needle: &str) -> f64 {
+    app.metrics
+        .render()
+        .lines()
+        .find(|l| l.starts_with(needle))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// `kubectl drain --dry-run=server`: the Eviction's body carries `deleteOptions.dryRun`,
+/// the admission request's own `dryRun` is false. Nothing may be written.
+#[tokio::test]
+async fn a_server_side_dry_run_drain_writes_nothing() {
+    let (client, ns) = setup("adm-drain-dry").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "zk" } } })).await;
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("zk-0", &[("app", "zk")], &[]), &[ip]).await;
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    // Exactly what kubectl drain sends: no dryRun query parameter, dryRun in the body.
+    let eviction = json!({
+        "apiVersion": "policy/v1", "kind": "Eviction",
+        "metadata": { "name": "zk-0", "namespace": ns.name },
+        "deleteOptions": { "dryRun": ["All"] },
+    });
+    let req = axum::http::Request::post(format!("/api/v1/namespaces/{}/pods/zk-0/eviction", ns.name))
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&eviction).unwrap())
+        .unwrap();
+    client.request_text(req).await.expect("dry-run eviction allowed");
+    assert!(pods.get_opt("zk-0").await.unwrap().is_some(), "a dry run deletes nothing");
+    assert!(record(&client, ip).await.is_none(), "a dry run writes no record");
+    let entries = reservation(&client, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
+    assert!(entries.unwrap_or_default().is_empty(), "a dry run writes no reservation entry");
+    // capo was asked, and answered it as a dry run.
+    assert_eq!(metric(&capo, "capo_admission_requests_total{operation=\"eviction\",outcome=\"dry_run\"}"), 1.0);
+    // The same eviction for real is held.
+    pods.evict("zk-0", &EvictParams::default()).await.expect("eviction allowed");
+    eventually("the real eviction held", Duration::from_secs(5), || async { record(&client, ip).await }).await;
+}
+
+#[tokio::test]
+async fn a_ten_megabyte_body_gets_413_with_the_reason() {
+    let (client, ns) = setup("adm-413").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let http = reqwest::Client::builder().danger_accept_invalid_certs(true).build().unwrap();
+    let url = format!("https://{}/hold", capo.webhook_addr);
+    let body = vec![b' '; 10 << 20];
+    let resp = http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("an answer, not a reset");
+    assert_eq!(resp.status(), 413);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("an AdmissionReview is at most"), "{text}");
+    assert_eq!(metric(&capo, "capo_admission_requests_total{operation=\"unknown\",outcome=\"too_large\"}"), 1.0);
+    // capo keeps serving.
+    let resp = http.post(&url).json(&json!({})).send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+}
