@@ -26,6 +26,8 @@ pub struct Metrics {
     pub policies: IntGaugeVec,
     /// Evictions whose Pod was not in the cache and had to be read from the API server.
     pub pod_cache_misses: IntCounterVec,
+    /// Reviews whose Namespace was not in the cache yet and was read from the API server.
+    pub namespace_cache_misses: IntCounterVec,
     /// The leader's release engine, repair and safety net.
     pub release: ReleaseMetrics,
 }
@@ -127,6 +129,11 @@ impl Metrics {
         let skipped = counter("admission_skipped_total", "Deletions capo did not hold, by reason.", &["reason"]);
         let pod_cache_misses =
             counter("pod_cache_misses_total", "Evictions whose Pod had to be read from the API server.", &["result"]);
+        let namespace_cache_misses = counter(
+            "namespace_cache_misses_total",
+            "Reviews whose Namespace had to be read from the API server.",
+            &["result"],
+        );
         let admission_duration = HistogramVec::new(
             HistogramOpts::new("admission_duration_seconds", "Time to answer an admission review.")
                 .buckets(vec![0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
@@ -148,6 +155,7 @@ impl Metrics {
             skipped,
             policies,
             pod_cache_misses,
+            namespace_cache_misses,
         }
     }
 

@@ -83,3 +83,66 @@ async fn a_ten_megabyte_body_gets_413_with_the_reason() {
     let resp = http.post(&url).json(&json!({})).send().await.unwrap();
     assert_eq!(resp.status(), 400);
 }
+
+/// A Namespace the watch has not delivered yet (created a moment ago) is read from the
+/// API server, not guessed from its name: its labels decide whether the Pod is selected.
+/// The review goes straight to capo's router with caches that never synced, so the cache
+/// miss is certain; the writes go to the real API server.
+#[tokio::test]
+async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
+    use std::sync::Arc;
+    use tower::ServiceExt;
+    let (client, ns) = setup("adm-ns-miss").await;
+    let labelled = TestNamespace::create_with_labels(&client, "adm-ns-new", &[("ip-reserve", "enabled")]).await;
+    let policy: capo_api::CapoPolicy = serde_json::from_value(json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+        "metadata": { "name": format!("{}-p", ns.name) },
+        "spec": { "namespaceSelector": { "matchLabels": { "ip-reserve": "enabled" } } },
+    }))
+    .unwrap();
+    let compiled = capo::policy::CompiledPolicy::compile(&policy).unwrap();
+    let readiness = Arc::new(capo::health::Readiness::default());
+    readiness.set_policies_synced();
+    readiness.set_namespaces_synced();
+    readiness.set_pods_synced();
+    let metrics = Arc::new(capo::metrics::Metrics::new());
+    let admission = Arc::new(capo::admission::Admission {
+        matcher: Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new([compiled]))),
+        caches: Arc::new(capo::cache::Caches::default()),
+        store: capo::hold::HoldStore::new(client.clone(), capo_api::CalicoApiGroup::CrdV1),
+        client: client.clone(),
+        metrics: metrics.clone(),
+        readiness,
+        settings: capo::admission::AdmissionSettings {
+            excluded_namespaces: vec!["kube-system".into()],
+            max_review_time: Duration::from_secs(10),
+        },
+    });
+    let ip = Ips::v4();
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "db-0", "namespace": labelled.name, "operation": "DELETE", "userInfo": {"username": "alice"},
+            "oldObject": {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": { "name": "db-0", "namespace": labelled.name, "uid": "pod-uid-1" },
+                "spec": { "containers": [] },
+                "status": { "podIP": ip.to_string(), "podIPs": [{ "ip": ip.to_string() }] },
+            },
+        }
+    });
+    let req = axum::http::Request::post("/hold?timeout=10s")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(serde_json::to_vec(&review).unwrap()))
+        .unwrap();
+    let resp = capo::admission::router(admission).oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+    let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert!(record(&client, ip).await.is_some(), "held: the namespace's labels select the Pod");
+    let m = metrics.render();
+    assert!(m.contains("capo_namespace_cache_misses_total{result=\"read\"} 1"), "{m}");
+}

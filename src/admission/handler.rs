@@ -12,11 +12,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use capo_api::{HoldFailureAction, HoldTrigger};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::Client;
 use kube::api::Api;
-use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::{DynamicObject, PartialObjectMeta};
 use tracing::{debug, info, warn};
 
 use super::deadline::budget;
@@ -199,7 +199,7 @@ impl Admission {
                 let value = serde_json::to_value(old).map_err(|e| format!("oldObject: {e}"))?;
                 PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?
             }
-            Kind::Eviction => match self.evicted_pod(&namespace, &req.name).await {
+            Kind::Eviction => match self.evicted_pod(&namespace, &req.name, deadline).await {
                 Ok(Some(p)) => p,
                 Ok(None) => return Ok((Some(kind), "no_pod", allow(resp, vec![]))),
                 Err(e) => {
@@ -211,12 +211,17 @@ impl Admission {
                 }
             },
         };
-        let ns = self.caches.namespace(&namespace).unwrap_or_else(|| {
-            Arc::new(NamespaceFacts {
-                labels: [("kubernetes.io/metadata.name".to_string(), namespace.clone())].into(),
-                terminating: false,
-            })
-        });
+        let ns = match self.namespace(&namespace, deadline).await {
+            Ok(Some(ns)) => ns,
+            Ok(None) => return Ok((Some(kind), "no_namespace", allow(resp, vec![]))),
+            Err(e) => {
+                // Without the namespace's labels there is nothing to decide on; the
+                // safety net catches the Pod if it was selected.
+                warn!(namespace, pod = %pod.name, error = %e, "could not read the Pod's namespace");
+                let msg = format!("capo: could not read Namespace {namespace}: {e}");
+                return Ok((Some(kind), "namespace_unreadable", allow(resp, vec![msg])));
+            }
+        };
         let user = req.user_info.username.as_deref();
         let ctx = RequestContext {
             namespace_labels: &ns.labels,
@@ -239,15 +244,35 @@ impl Admission {
         Ok(self.hold(kind, &pod, plan, resp, deadline).await)
     }
 
-    async fn evicted_pod(&self, namespace: &str, name: &str) -> Result<Option<PodFacts>, kube::Error> {
+    async fn evicted_pod(&self, namespace: &str, name: &str, deadline: Instant) -> Result<Option<PodFacts>, String> {
         if let Some(p) = self.caches.pod(namespace, name) {
             return Ok(Some((*p).clone()));
         }
-        // Not cached: no IP yet when last seen, or created a moment ago.
-        let got = Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(name).await;
+        // Not cached: no IP yet when last seen, or created a moment ago. Read it, inside
+        // the review's budget (the client's own read timeout is minutes).
+        let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        let got = within(deadline, api.get_opt(name)).await;
         let result = if got.is_ok() { "read" } else { "error" };
         self.metrics.pod_cache_misses.with_label_values(&[result]).inc();
         Ok(got?.map(|p| PodFacts::from_pod(&p)))
+    }
+
+    /// The Namespace from the cache, or, for one the watch has not delivered yet (created
+    /// a moment ago), from the API server inside the review's budget. Never a guess: a
+    /// namespace's labels decide whether its Pods are selected.
+    async fn namespace(&self, name: &str, deadline: Instant) -> Result<Option<Arc<NamespaceFacts>>, String> {
+        if let Some(ns) = self.caches.namespace(name) {
+            return Ok(Some(ns));
+        }
+        let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
+        let got = within(deadline, api.get_metadata_opt(name)).await;
+        let result = if got.is_ok() { "read" } else { "error" };
+        self.metrics.namespace_cache_misses.with_label_values(&[result]).inc();
+        Ok(got?.map(|ns| {
+            let mut labels = ns.metadata.labels.clone().unwrap_or_default();
+            labels.entry("kubernetes.io/metadata.name".into()).or_insert_with(|| name.to_string());
+            Arc::new(NamespaceFacts { labels, terminating: ns.metadata.deletion_timestamp.is_some() })
+        }))
     }
 
     async fn hold(
@@ -305,6 +330,17 @@ impl Admission {
                 (Some(kind), "hold_failed_allowed", allow(resp, vec![message]))
             }
         }
+    }
+}
+
+/// Runs an API read with what is left of the review's budget.
+async fn within<T>(
+    deadline: Instant,
+    read: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), read).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err("no answer from the API server within the review's deadline".into()),
     }
 }
 
