@@ -24,6 +24,8 @@ pub struct Metrics {
     pub skipped: IntCounterVec,
     /// Loaded policies by state (ready, invalid).
     pub policies: IntGaugeVec,
+    /// CapoPolicy status patches this replica sent.
+    pub policy_status_writes: prometheus::IntCounter,
     /// Evictions whose Pod was not in the cache and had to be read from the API server.
     pub pod_cache_misses: IntCounterVec,
     /// Reviews whose Namespace was not in the cache yet and was read from the API server.
@@ -144,6 +146,10 @@ impl Metrics {
         let policies = IntGaugeVec::new(Opts::new("policies", "Loaded CapoPolicies by state."), &["state"])
             .expect("static metric");
         registry.register(Box::new(policies.clone())).expect("unique metric");
+        let policy_status_writes =
+            prometheus::IntCounter::new("policy_status_writes_total", "CapoPolicy status patches sent.")
+                .expect("static metric");
+        registry.register(Box::new(policy_status_writes.clone())).expect("unique metric");
         let release = ReleaseMetrics::new(&registry);
         Self {
             release,
@@ -154,6 +160,7 @@ impl Metrics {
             hold_failures,
             skipped,
             policies,
+            policy_status_writes,
             pod_cache_misses,
             namespace_cache_misses,
         }
