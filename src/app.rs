@@ -58,6 +58,9 @@ pub struct Settings {
     pub sync_timeout: Duration,
     /// Release held IPs (on the leader). `None`: this process only serves the webhook.
     pub release: Option<ReleaseSettings>,
+    /// How long a watch the admission decision depends on may fail before capo reports
+    /// itself not ready (and answers reviews 503, so the failurePolicy applies).
+    pub watch_failure_grace: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -110,7 +113,7 @@ impl App {
     pub async fn start(client: Client, settings: Settings) -> Result<App, AppError> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let metrics = Arc::new(Metrics::new());
-        let readiness = Arc::new(Readiness::default());
+        let readiness = Arc::new(Readiness::new(settings.watch_failure_grace));
         let caches = Arc::new(Caches::default());
         let matcher: SharedMatcher = Arc::new(ArcSwap::from_pointee(Matcher::default()));
         let calico_api = match settings.calico_api {

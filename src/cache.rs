@@ -53,6 +53,10 @@ impl Caches {
             Arc::new(NamespaceFacts { labels, terminating: ns.metadata.deletion_timestamp.is_some() })
         };
         while let Some(event) = events.next().await {
+            match &event {
+                Ok(_) => readiness.watch_ok("namespaces"),
+                Err(_) => readiness.watch_failed("namespaces"),
+            }
             match event {
                 Ok(watcher::Event::Init) => listing.clear(),
                 Ok(watcher::Event::InitApply(ns)) => {
@@ -82,6 +86,10 @@ impl Caches {
             (!facts.ips.is_empty() && !facts.host_network).then(|| Arc::new(facts))
         };
         while let Some(event) = events.next().await {
+            match &event {
+                Ok(_) => readiness.watch_ok("pods"),
+                Err(_) => readiness.watch_failed("pods"),
+            }
             match event {
                 Ok(watcher::Event::Init) => listing.clear(),
                 Ok(watcher::Event::InitApply(pod)) => {

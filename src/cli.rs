@@ -138,6 +138,11 @@ pub struct Args {
     #[arg(long, env = "CAPO_POLICY_PREFIX", default_value = "", hide = true)]
     pub policy_prefix: String,
 
+    /// How long a watch (Pods, Namespaces, CapoPolicies) may keep failing before capo
+    /// reports itself not ready.
+    #[arg(long, env = "CAPO_WATCH_FAILURE_GRACE", default_value = "30s")]
+    pub watch_failure_grace: capo_api::Duration,
+
     /// Restrict a self-registered webhook to these namespaces (tests). Empty: all.
     #[arg(long, env = "CAPO_WEBHOOK_NAMESPACES", value_delimiter = ',', hide = true)]
     pub webhook_namespaces: Vec<String>,
@@ -196,6 +201,7 @@ impl Args {
             max_review_time: self.max_review_time.as_std(),
             field_manager: "capo".into(),
             sync_timeout: Duration::from_secs(120),
+            watch_failure_grace: self.watch_failure_grace.as_std(),
         })
     }
 

@@ -134,3 +134,35 @@ async fn policy_status_is_written_once_per_change_not_per_watch_event() {
     wait_policy_ready(&client, &names[0], Some(2), "True").await;
     assert_eq!(settled(&capo, "capo_policy_status_writes_total").await - base, 21.0);
 }
+
+#[tokio::test]
+async fn readiness_is_withdrawn_while_a_watch_keeps_failing_and_comes_back_after() {
+    let _one = SERIAL.lock().await;
+    let (client, ns) = setup("pol-watchfail").await;
+    let mut settings = capo_settings(&format!("capo-test-{}", ns.name), &[&ns.name], None);
+    settings.watch_failure_grace = Duration::from_secs(2);
+    let capo = start_capo_with(&client, &ns.name, settings).await;
+    let readyz = format!("http://{}/readyz", capo.probe_addr.unwrap());
+    let get = |url: String| async move {
+        let r = reqwest::get(&url).await.ok()?;
+        Some((r.status().as_u16(), r.text().await.ok()?))
+    };
+    assert_eq!(get(readyz.clone()).await.unwrap().0, 200);
+    // The CapoPolicy API goes away: capo's policy watch fails from now on.
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    crds.delete("capopolicies.capo.io", &Default::default()).await.unwrap();
+    let (_, why) = eventually("readiness withdrawn", Duration::from_secs(60), || {
+        let readyz = readyz.clone();
+        async move { get(readyz).await.filter(|(code, _)| *code == 503) }
+    })
+    .await;
+    assert!(why.contains("the policies watch (failing for"), "{why}");
+    assert!(!capo.readiness.is_ready());
+    // Back: ready again without a restart.
+    install_crd(&client, loose_capopolicy_crd()).await;
+    eventually("ready again", Duration::from_secs(60), || {
+        let readyz = readyz.clone();
+        async move { get(readyz).await.filter(|(code, _)| *code == 200) }
+    })
+    .await;
+}

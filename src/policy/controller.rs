@@ -82,6 +82,10 @@ impl PolicyController {
                     continue;
                 }
             };
+            match &event {
+                Ok(_) => self.readiness.watch_ok("policies"),
+                Err(_) => self.readiness.watch_failed("policies"),
+            }
             match event {
                 Ok(watcher::Event::Init) => listing.clear(),
                 Ok(watcher::Event::InitApply(p)) => {

@@ -85,6 +85,7 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
         field_manager: "capo".into(),
         sync_timeout: Duration::from_secs(60),
         release: None,
+        watch_failure_grace: Duration::from_secs(30),
     }
 }
 
