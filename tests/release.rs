@@ -497,9 +497,13 @@ async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says
 /// Runs the `capo` binary's operator subcommand against the test control plane.
 /// Async, so the in-process capo keeps running while the command waits for it.
 async fn capo_cli(args: &[&str]) -> (i32, String, String) {
+    capo_cli_as(&capo_testenv::shared().kubeconfig, args).await
+}
+
+async fn capo_cli_as(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, String) {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
         .args(args)
-        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+        .env("KUBECONFIG", kubeconfig)
         .output()
         .await
         .expect("run capo");
@@ -544,6 +548,7 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     let cols: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(&cols[1..], &["Ready", "Compiled", "2", "7", "40m"], "{line}");
 
+    let b_ip = b.to_string();
     let (code, out, err) = capo_cli(&["extend", &b.to_string(), "--for", "2h"]).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("extended by admin") || out.contains("extended by"), "{out}");
@@ -568,6 +573,19 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     assert_eq!(code, 3, "{err}");
     let (code, _, err) = capo_cli(&["extend", &b.to_string(), "--for", "soon"]).await;
     assert_eq!(code, 2, "a bad duration is a usage error: {err}");
+
+    // A user with no rights on capo's objects gets a clear "permission denied", exit 4.
+    let mut kc: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&capo_testenv::shared().kubeconfig).unwrap()).unwrap();
+    kc["users"][0]["user"]["as"] = "capo-test-nobody".into();
+    let nobody = std::env::temp_dir().join(format!("capo-nobody-{}.kubeconfig", ns.name));
+    std::fs::write(&nobody, serde_yaml::to_string(&kc).unwrap()).unwrap();
+    for args in [vec!["holds"], vec!["policies"], vec!["release", &b_ip]] {
+        let (code, _, err) = capo_cli_as(&nobody, &args).await;
+        assert_eq!(code, 4, "{args:?}: {err}");
+        assert!(err.contains("permission denied") && err.contains("capo-test-nobody"), "{err}");
+    }
+    let _ = std::fs::remove_file(&nobody);
 
     // With no leader, a release request is written but not carried out: exit 5, still held.
     drop(capo);
