@@ -146,3 +146,77 @@ async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
     let m = metrics.render();
     assert!(m.contains("capo_namespace_cache_misses_total{result=\"read\"} 1"), "{m}");
 }
+
+/// The API server refuses one entry (here a ValidatingAdmissionPolicy standing in for any
+/// server-side rule): that deletion is denied at once with the server's reason, leaves no
+/// record behind, and the other deletions of the same burst are held.
+#[tokio::test]
+async fn a_refused_entry_is_denied_with_the_servers_reason_and_does_not_fail_its_batch() {
+    use kube::api::{DynamicObject, Patch, PatchParams};
+    let (client, ns) = setup("adm-refused").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+    let bad = Ips::v4();
+    let vap = format!("refuse-{}", ns.name);
+    let vap_obj = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": { "name": vap },
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": { "resourceRules": [{ "apiGroups": ["crd.projectcalico.org"], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "resources": ["ipreservations"] }] },
+            "validations": [{
+                "expression": format!("!has(object.spec.reservedCIDRs) || !object.spec.reservedCIDRs.exists(c, c == '{bad}/32')"),
+                "message": format!("{bad} is quarantined by the network team"),
+            }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": { "name": vap }, "spec": { "policyName": vap, "validationActions": ["Deny"] },
+    });
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let apply = PatchParams::apply("capo-tests").force();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone()).patch(&vap, &apply, &Patch::Apply(vap_obj)).await.unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .patch(&vap, &apply, &Patch::Apply(binding))
+        .await
+        .unwrap();
+    // The policy reaches the admission chain asynchronously: wait until it refuses a probe.
+    let probe_name = format!("probe-{}", ns.name);
+    let reservations =
+        Api::<DynamicObject>::all_with(client.clone(), &capo_api::CalicoApiGroup::CrdV1.ip_reservation());
+    eventually("the policy to refuse the entry", Duration::from_secs(30), || {
+        let reservations = reservations.clone();
+        let probe_name = probe_name.clone();
+        async move {
+            let obj = json!({ "apiVersion": "crd.projectcalico.org/v1", "kind": "IPReservation",
+                              "metadata": { "name": probe_name }, "spec": { "reservedCIDRs": [format!("{bad}/32")] } });
+            let r =
+                reservations.patch(&probe_name, &PatchParams::apply("capo-tests").force(), &Patch::Apply(obj)).await;
+            matches!(r, Err(kube::Error::Api(s)) if s.code == 422).then_some(())
+        }
+    })
+    .await;
+    let good: Vec<_> = (0..6).map(|_| Ips::v4()).collect();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("bad", &[("app", "redis")], &[]), &[bad]).await;
+    for (i, ip) in good.iter().enumerate() {
+        create_pod_with_ips(&client, &ns.name, unscheduled_pod(&format!("good-{i}"), &[("app", "redis")], &[]), &[*ip])
+            .await;
+    }
+    let started = std::time::Instant::now();
+    let mut names = vec!["bad".to_string()];
+    names.extend((0..6).map(|i| format!("good-{i}")));
+    let results = futures::future::join_all(names.iter().map(|n| delete_pod(&client, &ns.name, n))).await;
+    let denied = results[0].as_ref().expect_err("the refused entry denies its deletion");
+    let message = denied.to_string();
+    assert!(message.contains("quarantined by the network team"), "the server's reason is kept: {message}");
+    assert!(started.elapsed() < Duration::from_secs(5), "denied at once, not after retries: {:?}", started.elapsed());
+    for (r, ip) in results[1..].iter().zip(&good) {
+        assert!(r.is_ok(), "the rest of the burst is allowed: {r:?}");
+        assert!(record(&client, *ip).await.is_some(), "{ip} held");
+    }
+    assert!(record(&client, bad).await.is_none(), "a denied deletion leaves no record");
+    let _ = reservations.delete(&probe_name, &Default::default()).await;
+}

@@ -284,9 +284,31 @@ impl Admission {
         deadline: Instant,
     ) -> (Option<Kind>, &'static str, AdmissionResponse) {
         let policy = &plan.policy;
-        let request = HoldRequest { policy: &policy.name, reserve_for: plan.reserve_for, pod, trigger: kind.trigger() };
         let timeout = deadline.saturating_duration_since(Instant::now());
-        let (reason, failure) = match tokio::time::timeout(timeout, self.store.hold(&request)).await {
+        // The writes run in their own task: if the deadline passes first, the answer is a
+        // denial and the task, once its writes are done, takes back the records it made.
+        let mut writing = {
+            let (store, pod, policy, reserve_for) =
+                (self.store.clone(), pod.clone(), policy.name.clone(), plan.reserve_for);
+            let trigger = kind.trigger();
+            tokio::spawn(
+                async move { store.hold(&HoldRequest { policy: &policy, reserve_for, pod: &pod, trigger }).await },
+            )
+        };
+        let outcome = match tokio::time::timeout(timeout, &mut writing).await {
+            Ok(Ok(result)) => Ok(result),
+            Ok(Err(panicked)) => Err(format!("the hold's writer failed: {panicked}")),
+            Err(_) => {
+                let store = self.store.clone();
+                tokio::spawn(async move {
+                    if let Ok(Ok(held)) = writing.await {
+                        store.take_back(&held).await;
+                    }
+                });
+                Err(format!("writing the hold took longer than the {timeout:?} the API server allows"))
+            }
+        };
+        let (reason, failure) = match outcome {
             Ok(Ok(held)) => {
                 let created = held.iter().filter(|h| h.record != RecordOutcome::Kept).count();
                 self.metrics.holds.with_label_values(&[&policy.name, kind.as_str()]).inc_by(created as u64);
@@ -304,7 +326,7 @@ impl Admission {
                 return (Some(kind), "held", allow(resp, warnings));
             }
             Ok(Err(errors)) => (errors.first().map_or("unknown", HoldError::kind), describe(&errors)),
-            Err(_) => ("timeout", format!("writing the hold took longer than the {timeout:?} the API server allows")),
+            Err(message) => ("timeout", message),
         };
         let action = match policy.on_hold_failure {
             HoldFailureAction::Deny => "deny",

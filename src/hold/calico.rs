@@ -38,6 +38,8 @@ pub enum CalicoError {
     Contention,
     #[error("the writer of this reservation stopped")]
     WriterGone,
+    #[error("the API server rejected the entry: {message}")]
+    Rejected { message: String },
     #[error("{0}")]
     Api(#[source] Arc<KubeError>),
 }
@@ -50,6 +52,7 @@ impl CalicoError {
             Self::Forbidden { .. } => "forbidden",
             Self::Contention => "contention",
             Self::WriterGone => "writer_gone",
+            Self::Rejected { .. } => "rejected",
             Self::Api(_) => "api",
         }
     }
@@ -127,7 +130,17 @@ impl Reservations {
             }
         };
         if start_writer {
-            tokio::spawn(self.clone().write_batches(name.to_string()));
+            let writer = tokio::spawn(self.clone().write_batches(name.to_string()));
+            // Should the writer die (a panic), its queue goes with it: the waiters get
+            // `WriterGone` at once and the next entry starts a new writer, instead of every
+            // later hold for this reservation waiting for a writer that is gone.
+            let queue = self.queue.clone();
+            let name = name.to_string();
+            tokio::spawn(async move {
+                if writer.await.is_err() {
+                    queue.lock().expect("reservation queue lock").pending.remove(&name);
+                }
+            });
         }
         result.await.unwrap_or(Err(CalicoError::WriterGone))
     }
@@ -148,7 +161,19 @@ impl Reservations {
                 }
             };
             let cidrs: BTreeSet<String> = batch.iter().map(|w| w.cidr.clone()).collect();
-            let result = self.append(&name, &policy, cidrs).await;
+            let result = self.append(&name, &policy, cidrs.clone()).await;
+            if matches!(result, Err(CalicoError::Rejected { .. })) && cidrs.len() > 1 {
+                // One entry the server refuses must not fail the others: each on its own.
+                let mut each = HashMap::new();
+                for c in &cidrs {
+                    each.insert(c.clone(), self.append(&name, &policy, BTreeSet::from([c.clone()])).await);
+                }
+                for w in batch {
+                    let r = each.get(&w.cidr).cloned().unwrap_or(Err(CalicoError::WriterGone));
+                    let _ = w.done.send(r);
+                }
+                continue;
+            }
             debug!(reservation = %name, entries = batch.len(), ok = result.is_ok(), "reservation batch written");
             for w in batch {
                 let _ = w.done.send(result.clone());
@@ -192,6 +217,9 @@ impl Reservations {
                     if cidrs.len() < before || cidrs.is_empty() {
                         continue; // duplicates dropped; send the rest at once
                     }
+                    // Not a duplicate: the server refuses the entry itself. Retrying cannot
+                    // help; say why.
+                    return Err(CalicoError::Rejected { message: status.message.clone() });
                 }
                 409 | 429 | 500 | 503 | 504 => {}
                 _ => return Err(self.classify(err)),
@@ -212,6 +240,7 @@ impl Reservations {
         match self.api.create(&PostParams::default(), &obj).await {
             Ok(_) => Ok(true),
             Err(KubeError::Api(s)) if s.code == 409 => Ok(false),
+            Err(KubeError::Api(s)) if s.code == 422 => Err(CalicoError::Rejected { message: s.message.clone() }),
             Err(e) => Err(self.classify(e)),
         }
     }

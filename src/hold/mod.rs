@@ -149,29 +149,61 @@ impl HoldStore {
                 if let Err(source) = entry {
                     errors.push(HoldError::Reservation { cidr, reservation: reservation.clone(), source });
                 }
+                let mut created = None;
                 match record {
                     Ok(outcome) if errors.is_empty() => {
                         return Ok(Held { ip, reservation, record: outcome });
                     }
+                    Ok(RecordOutcome::Created { uid }) => created = Some((ip, uid)),
                     Ok(_) => {}
                     Err(source) => errors.push(HoldError::Record { record: record_name(ip), ip, source }),
                 }
-                Err(errors)
+                Err((errors, created))
             }
         });
         let mut held = Vec::new();
         let mut errors = Vec::new();
+        let mut created = Vec::new();
         for result in join_all(writes).await {
             match result {
                 Ok(h) => held.push(h),
-                Err(e) => errors.extend(e),
+                Err((e, record)) => {
+                    errors.extend(e);
+                    created.extend(record);
+                }
             }
         }
         if errors.is_empty() {
             self.remember(req.pod);
-            Ok(held)
-        } else {
-            Err(errors)
+            return Ok(held);
+        }
+        // The deletion will be denied: take back the records this request created. (An
+        // entry that did get in stays; without a record it is adopted by the leader's
+        // repair and released on schedule — the Pod still uses the address meanwhile.)
+        created.extend(held.iter().filter_map(|h| match &h.record {
+            RecordOutcome::Created { uid } => Some((h.ip, uid.clone())),
+            _ => None,
+        }));
+        self.forget(created).await;
+        Err(errors)
+    }
+
+    /// A hold that completed after its request was already denied (the deadline passed):
+    /// takes back the records it created, so the denied deletion leaves no record.
+    pub async fn take_back(&self, held: &[Held]) {
+        self.recent.lock().expect("recent holds lock").retain(|(_, ip), _| !held.iter().any(|h| h.ip == *ip));
+        let created = held.iter().filter_map(|h| match &h.record {
+            RecordOutcome::Created { uid } => Some((h.ip, uid.clone())),
+            _ => None,
+        });
+        self.forget(created.collect()).await;
+    }
+
+    async fn forget(&self, created: Vec<(IpAddr, String)>) {
+        for (ip, uid) in created {
+            if let Err(e) = self.records.forget(ip, &uid).await {
+                tracing::warn!(%ip, error = %e, "could not take back the record of a failed hold");
+            }
         }
     }
 }

@@ -13,8 +13,8 @@ const ATTEMPTS: usize = 5;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum RecordOutcome {
-    /// A new hold.
-    Created,
+    /// A new hold: the record's uid.
+    Created { uid: String },
     /// The same Pod was already held: the first record stays as it was.
     Kept,
     /// The IP was recorded for another Pod; the record now describes this one.
@@ -64,7 +64,7 @@ impl Records {
         };
         for _ in 0..ATTEMPTS {
             match self.api.create(&PostParams::default(), &fresh).await {
-                Ok(_) => return Ok(RecordOutcome::Created),
+                Ok(created) => return Ok(RecordOutcome::Created { uid: created.metadata.uid.unwrap_or_default() }),
                 Err(KubeError::Api(s)) if s.code == 409 => {}
                 Err(e) => return Err(classify(e)),
             }
@@ -85,5 +85,19 @@ impl Records {
             }
         }
         Err(RecordError::Contention)
+    }
+
+    /// Deletes a record this request created, when the rest of its hold failed: a denied
+    /// deletion leaves no record behind. Only that very record (uid precondition).
+    pub async fn forget(&self, ip: IpAddr, uid: &str) -> Result<(), RecordError> {
+        let dp = kube::api::DeleteParams {
+            preconditions: Some(kube::api::Preconditions { uid: Some(uid.to_string()), resource_version: None }),
+            ..Default::default()
+        };
+        match self.api.delete(&record_name(ip), &dp).await {
+            Ok(_) => Ok(()),
+            Err(KubeError::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(e) => Err(classify(e)),
+        }
     }
 }
