@@ -147,6 +147,13 @@ async fn serve(
             return bad_request(format!("malformed AdmissionReview: {e}"));
         }
     };
+    if review.types.kind != "AdmissionReview" || review.types.api_version != "admission.k8s.io/v1" {
+        adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
+        return bad_request(format!(
+            "malformed AdmissionReview: apiVersion {:?} kind {:?}; capo answers admission.k8s.io/v1 AdmissionReview",
+            review.types.api_version, review.types.kind
+        ));
+    }
     let request: AdmissionRequest<DynamicObject> = match review.try_into() {
         Ok(r) => r,
         Err(e) => {
