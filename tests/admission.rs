@@ -220,3 +220,126 @@ async fn a_refused_entry_is_denied_with_the_servers_reason_and_does_not_fail_its
     assert!(record(&client, bad).await.is_none(), "a denied deletion leaves no record");
     let _ = reservations.delete(&probe_name, &Default::default()).await;
 }
+
+fn delete_reviews(app: &capo::App) -> f64 {
+    app.metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("capo_admission_requests_total{operation=\"delete\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The webhook's matchConditions keep capo from being called at all for Pods it could
+/// never hold; a selected Pod in the same namespace proves capo is reachable.
+#[tokio::test]
+async fn match_conditions_keep_capo_from_being_called_for_unholdable_pods() {
+    let (client, ns) = setup("adm-matchcond").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("no-ip", &[], &[]), &[]).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("out", &[], &[("capo.io/hold", "false")]), &[Ips::v4()])
+        .await;
+    let mut host = unscheduled_pod("host", &[], &[]);
+    host.spec.as_mut().unwrap().host_network = Some(true);
+    create_pod_with_ips(&client, &ns.name, host, &[Ips::v4()]).await;
+    let before = delete_reviews(&capo);
+    for pod in ["no-ip", "out", "host"] {
+        delete_pod(&client, &ns.name, pod).await.unwrap();
+    }
+    assert_eq!(delete_reviews(&capo), before, "capo was not called for Pods it can never hold");
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("held", &[], &[]), &[ip]).await;
+    delete_pod(&client, &ns.name, "held").await.unwrap();
+    assert!(delete_reviews(&capo) > before, "but it is called for a holdable one");
+    assert!(record(&client, ip).await.is_some());
+}
+
+fn kubectl(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+        .output()
+        .expect("kubectl");
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// A namespace labelled `capo.io/failure-policy=Fail` gets no deletion without a hold,
+/// even while capo is down; both recovery commands in the README unlock it.
+#[tokio::test]
+async fn the_fail_webhook_locks_a_namespace_while_capo_is_down_and_the_readme_commands_unlock_it() {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    let ns = TestNamespace::create_with_labels(&client, "adm-fail", &[("capo.io/failure-policy", "Fail")]).await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let webhook = format!("capo-test-{}", ns.name);
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    for pod in ["a", "b", "c"] {
+        create_pod_with_ips(&client, &ns.name, unscheduled_pod(pod, &[], &[]), &[Ips::v4()]).await;
+    }
+    // capo crashes: its webhook configuration stays, nobody answers.
+    drop(capo);
+    let err = delete_pod(&client, &ns.name, "a").await.expect_err("no deletion without a hold");
+    assert!(err.to_string().contains("hold-required.capo.io"), "{err}");
+    // Recovery 1 (README): back to Ignore for that namespace.
+    let (ok, out) = kubectl(&["label", "namespace", &ns.name, "capo.io/failure-policy-"]);
+    assert!(ok, "{out}");
+    eventually("the namespace unlocked", Duration::from_secs(20), || async {
+        delete_pod(&client, &ns.name, "a").await.ok()
+    })
+    .await;
+    // Recovery 2 (README): remove the webhook altogether.
+    let (ok, out) = kubectl(&["label", "namespace", &ns.name, "capo.io/failure-policy=Fail"]);
+    assert!(ok, "{out}");
+    eventually("the namespace locked again", Duration::from_secs(20), || async {
+        let r = Api::<Pod>::namespaced(client.clone(), &ns.name)
+            .delete("b", &kube::api::DeleteParams { dry_run: true, ..Default::default() })
+            .await;
+        r.is_err().then_some(())
+    })
+    .await;
+    let (ok, out) = kubectl(&["delete", "validatingwebhookconfiguration", &webhook]);
+    assert!(ok, "{out}");
+    eventually("deletions allowed without the webhook", Duration::from_secs(20), || async {
+        delete_pod(&client, &ns.name, "b").await.ok()
+    })
+    .await;
+}
+
+/// A DELETE capo must deny (the hold cannot be written) is answered 503, which clients
+/// treat as retryable; and a clean shutdown removes the self-registered configuration.
+#[tokio::test]
+async fn a_denied_delete_is_a_503_and_shutdown_removes_the_webhook_configuration() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let (client, ns) = setup("adm-503").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    // A capo-named reservation capo does not own: the hold cannot be written.
+    let foreign = json!({ "apiVersion": "crd.projectcalico.org/v1", "kind": "IPReservation",
+                          "metadata": { "name": format!("capo-{policy}") }, "spec": { "reservedCIDRs": [] } });
+    Api::<kube::api::DynamicObject>::all_with(client.clone(), &capo_api::CalicoApiGroup::CrdV1.ip_reservation())
+        .patch(
+            &format!("capo-{policy}"),
+            &kube::api::PatchParams::apply("someone-else"),
+            &kube::api::Patch::Apply(foreign),
+        )
+        .await
+        .unwrap();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &[Ips::v4()]).await;
+    match delete_pod(&client, &ns.name, "p").await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 503, "{s:?}");
+            assert!(s.message.contains("not managed by capo"), "{}", s.message);
+        }
+        other => panic!("expected a 503 denial, got {other:?}"),
+    }
+    let configs = Api::<ValidatingWebhookConfiguration>::all(client.clone());
+    let name = format!("capo-test-{}", ns.name);
+    assert!(configs.get_opt(&name).await.unwrap().is_some());
+    capo.shutdown().await;
+    assert!(configs.get_opt(&name).await.unwrap().is_none(), "removed on exit");
+}
