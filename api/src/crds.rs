@@ -36,6 +36,21 @@ mod tests {
         }
     }
 
+    /// Every duration field of the CRD carries the pattern the parser implements.
+    #[test]
+    fn duration_fields_carry_the_parsers_pattern() {
+        let crd = serde_json::to_value(crate::CapoPolicy::crd()).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"];
+        for field in [
+            &spec["reserveFor"],
+            &spec["releaseInterval"],
+            &spec["podOverrides"]["properties"]["minReserveFor"],
+            &spec["podOverrides"]["properties"]["maxReserveFor"],
+        ] {
+            assert_eq!(field["pattern"], crate::duration::PATTERN, "{field}");
+        }
+    }
+
     #[test]
     fn calico_bindings_match_calicos_schema_shape() {
         // Each entry is a CIDR and the list is a set, as in Calico's own CRDs

@@ -105,7 +105,12 @@ mod tests {
     fn rejects_malformed_durations_with_a_reason() {
         for bad in ["", "40", "m", "4 0m", "1d", "-5s", "1.5h", "40m ", "99999999999999999999999h"] {
             let err = bad.parse::<Duration>().unwrap_err();
-            assert!(!err.to_string().is_empty(), "{bad:?}");
+            // The message names the input (or says it is empty), so a user sees what to fix.
+            let message = err.to_string();
+            assert!(
+                message.contains(&format!("{bad:?}")) || (bad.is_empty() && message == "duration is empty"),
+                "{message}"
+            );
         }
         assert!(matches!("1d".parse::<Duration>(), Err(DurationError::Malformed { .. })));
     }

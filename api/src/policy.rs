@@ -57,7 +57,7 @@ pub struct CapoPolicySpec {
 
     /// How long a held IP stays held after its Pod is gone, e.g. `40m`.
     #[serde(default = "default_reserve_for")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("reserveFor must be at least 1s"))]
     pub reserve_for: String,
 
@@ -69,7 +69,7 @@ pub struct CapoPolicySpec {
 
     /// The least time between two releases of this policy's IPs (release pacing).
     #[serde(default = "default_release_interval")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     pub release_interval: String,
 
     /// When several policies select a Pod, the highest priority wins; ties go to the
@@ -191,11 +191,11 @@ pub struct PodOverrides {
     /// Shortest hold a Pod may ask for with `capo.io/reserve-for`. Absent with
     /// `maxReserveFor` absent: the annotation is ignored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     pub min_reserve_for: Option<String>,
     /// Longest hold a Pod may ask for with `capo.io/reserve-for`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     pub max_reserve_for: Option<String>,
 }
 
