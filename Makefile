@@ -26,6 +26,10 @@ lint: ## cargo fmt --check and clippy -D warnings
 test: controlplane ## Run every test: unit, CRD drift, and integration tests on a real control plane
 	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo test --workspace
 
+.PHONY: bench
+bench: controlplane ## Measure the admission path end to end on the local control plane; writes docs/performance.md
+	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo bench --bench e2e
+
 .PHONY: testenv-up
 testenv-up: controlplane ## Start the local control plane; prints the export KUBECONFIG line
 	@cargo build -q -p capo-testenv

@@ -58,6 +58,13 @@ pub enum Command {
         #[arg(short, long, default_value = "table")]
         output: crate::ops::Output,
     },
+    /// Print the CapoPolicies equivalent to the original capo's capo_config.yaml.
+    Migrate {
+        /// The original's configuration file (`-`: standard input), e.g. from
+        /// `kubectl get cm -n ip-reserve capo-manager-config -o jsonpath='{.data.capo_config\.yaml}'`.
+        #[arg(short, long, default_value = "-")]
+        file: std::path::PathBuf,
+    },
 }
 
 #[derive(clap::Args, Debug, Clone)]

@@ -10,6 +10,7 @@ pub mod health;
 pub mod hold;
 pub mod leader;
 pub mod metrics;
+pub mod migrate;
 pub mod ops;
 pub mod pod;
 pub mod policy;

@@ -31,8 +31,12 @@ async fn run(args: capo::cli::Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// `capo holds|release|extend|policies`: print the answer, or the error and its exit code.
+/// `capo holds|release|extend|policies|migrate`: print the answer, or the error and its
+/// exit code.
 async fn operator(command: Command) -> std::process::ExitCode {
+    if let Command::Migrate { file } = &command {
+        return migrate(file);
+    }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = match kube::Client::try_default().await {
         Ok(c) => c,
@@ -46,6 +50,7 @@ async fn operator(command: Command) -> std::process::ExitCode {
         Command::Policies { output } => capo::ops::policies(client, output).await,
         Command::Release { ips, wait } => capo::ops::release(client, &ips, wait.as_std()).await,
         Command::Extend { ip, for_, wait } => capo::ops::extend(client, ip, for_.as_std(), wait.as_std()).await,
+        Command::Migrate { .. } => unreachable!("handled without a cluster"),
     };
     match result {
         Ok(out) => {
@@ -55,6 +60,31 @@ async fn operator(command: Command) -> std::process::ExitCode {
         Err(e) => {
             eprintln!("capo: {e}");
             std::process::ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// Needs no cluster: reads the original's configuration and prints CapoPolicies.
+fn migrate(file: &std::path::Path) -> std::process::ExitCode {
+    use std::io::Read;
+    let mut input = String::new();
+    let read = if file.as_os_str() == "-" {
+        std::io::stdin().read_to_string(&mut input).map(|_| ())
+    } else {
+        std::fs::read_to_string(file).map(|s| input = s)
+    };
+    if let Err(e) = read {
+        eprintln!("capo: reading {}: {e}", file.display());
+        return std::process::ExitCode::from(1);
+    }
+    match capo::migrate::migrate(&input) {
+        Ok(policies) => {
+            print!("{}", capo::migrate::render(&policies));
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("capo: {e}");
+            std::process::ExitCode::from(1)
         }
     }
 }

@@ -594,3 +594,37 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     assert!(err.contains("did not act in time"), "{err}");
     assert!(record(&client, b).await.is_some(), "only a leader releases");
 }
+
+/// `capo migrate` turns the original capo's default configuration into CapoPolicies that
+/// the API server (with capo's CRD schema and CEL rules) accepts.
+#[tokio::test]
+async fn migrate_prints_policies_the_api_server_accepts() {
+    let (_client, ns) = setup("rel-migrate").await;
+    let config = std::env::temp_dir().join(format!("capo_config-{}.yaml", ns.name));
+    std::fs::write(
+        &config,
+        "apiVersion: config.capo.io/v1\nkind: CapoConfig\nipReserveMaxCount: 300\nipReserveTime: 40m\nipReleasePeriod: 5s\n\
+         labelSelector:\n  matchExpressions:\n  - {key: statefulset.kubernetes.io/pod-name, operator: Exists}\n  - {key: brokerId, operator: Exists}\n",
+    )
+    .unwrap();
+    let (code, out, err) = capo_cli(&["migrate", "-f", config.to_str().unwrap()]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.matches("kind: CapoPolicy").count(), 2, "{out}");
+    let mut apply = tokio::process::Command::new("kubectl")
+        .args(["apply", "--dry-run=server", "-f", "-"])
+        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use tokio::io::AsyncWriteExt;
+    apply.stdin.take().unwrap().write_all(out.as_bytes()).await.unwrap();
+    let result = apply.wait_with_output().await.unwrap();
+    let said = String::from_utf8_lossy(&result.stdout).to_string() + &String::from_utf8_lossy(&result.stderr);
+    assert!(result.status.success(), "{said}");
+    assert_eq!(said.matches("created (server dry run)").count(), 2, "{said}");
+    let (code, _, err) = capo_cli(&["migrate", "-f", "/nonexistent/capo_config.yaml"]).await;
+    assert_eq!(code, 1, "{err}");
+    let _ = std::fs::remove_file(&config);
+}
