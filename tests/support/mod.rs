@@ -19,6 +19,8 @@ use serde_json::json;
 
 pub use capo_testenv::TestNamespace;
 
+pub mod faults;
+
 pub async fn client() -> Client {
     capo_testenv::shared().client().await
 }

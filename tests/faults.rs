@@ -1,0 +1,90 @@
+//! Fault injection between capo and the real API server (see `support/faults.rs`): errors,
+//! throttling, latency and dropped connections on the writes of a hold. Under
+//! `onHoldFailure: Deny` no deletion of a selected Pod is allowed without every IP held,
+//! every answer comes inside the deadline the API server passes, a denial says why and
+//! leaves no record, and once the faults stop holds succeed again without a restart.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use axum::http::Method;
+use support::faults::{Fault, FaultProxy, Rule};
+use support::*;
+
+#[tokio::test]
+async fn under_faults_nothing_is_allowed_unheld_answers_come_in_time_and_holds_recover() {
+    let admin = client().await;
+    install_capo_crds(&admin).await;
+    install_calico_crds(&admin).await;
+    let ns = TestNamespace::create(&admin, "faults").await;
+    let proxy = FaultProxy::start(admin.clone()).await;
+    // The API server gives capo 3 s per review.
+    let mut settings = capo_settings(&format!("capo-test-{}", ns.name), &[&ns.name], None);
+    settings.self_register.as_mut().unwrap().timeout_seconds = 3;
+    let capo = start_capo_with(&proxy.client(), &ns.name, settings).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&admin, &policy, &ns.name, serde_json::json!({ "podSelector": {} })).await;
+    // A first hold creates the reservation, so later faults hit its appends.
+    let first = Ips::v4();
+    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("first", &[], &[]), &[first]).await;
+    delete_pod(&admin, &ns.name, "first").await.expect("no faults yet");
+
+    let reservations = "/apis/crd.projectcalico.org/v1/ipreservations";
+    let records = "/apis/capo.io/v1alpha1/reservedips";
+    let cases = [
+        ("409 on the append", Rule::new(Method::PATCH, reservations, Fault::Status(409, None))),
+        ("422 on the append", Rule::new(Method::PATCH, reservations, Fault::Status(422, None))),
+        ("500 on the append", Rule::new(Method::PATCH, reservations, Fault::Status(500, None))),
+        ("503 on the append", Rule::new(Method::PATCH, reservations, Fault::Status(503, Some(1)))),
+        ("429 + Retry-After on the record", Rule::new(Method::POST, records, Fault::Status(429, Some(1)))),
+        ("dropped connection on the record", Rule::new(Method::POST, records, Fault::Drop)),
+        (
+            "latency past the deadline on the append",
+            Rule::new(Method::PATCH, reservations, Fault::Delay(Duration::from_secs(5))),
+        ),
+    ];
+    for (i, (what, rule)) in cases.into_iter().enumerate() {
+        proxy.set(vec![rule]);
+        let ip = Ips::v4();
+        let pod = format!("p{i}");
+        create_pod_with_ips(&admin, &ns.name, unscheduled_pod(&pod, &[], &[]), &[ip]).await;
+        let started = Instant::now();
+        let result = delete_pod(&admin, &ns.name, &pod).await;
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(4), "{what}: answered after {took:?}, past the 3 s deadline");
+        match result {
+            Ok(()) => {
+                // Allowed: then it must be held (a retry inside capo may have got through).
+                let entries =
+                    reservation(&admin, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.unwrap();
+                assert!(entries.contains(&format!("{ip}/32")), "{what}: allowed without the entry");
+                assert!(record(&admin, ip).await.is_some(), "{what}: allowed without the record");
+            }
+            Err(kube::Error::Api(s)) => {
+                assert_eq!(s.code, 503, "{what}: {s:?}");
+                assert!(
+                    s.message.contains("capo could not hold") && s.message.len() > 60,
+                    "{what}: a denial says why: {}",
+                    s.message
+                );
+                // The denied deletion leaves no record (a late write is taken back).
+                proxy.clear();
+                eventually(&format!("{what}: no record left"), Duration::from_secs(15), || async {
+                    record(&admin, ip).await.is_none().then_some(())
+                })
+                .await;
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+        eprintln!("{what}: answered in {took:?}");
+    }
+    assert!(proxy.injected() >= 7, "every case hit its fault");
+    // The faults stop: holds succeed again, no restart.
+    proxy.clear();
+    let ip = Ips::v4();
+    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("after", &[], &[]), &[ip]).await;
+    delete_pod(&admin, &ns.name, "after").await.expect("held again once the faults stop");
+    assert!(record(&admin, ip).await.is_some());
+    drop(capo);
+}

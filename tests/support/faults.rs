@@ -1,0 +1,132 @@
+//! A fault-injecting proxy between capo's kube client and the real API server: capo talks
+//! plain HTTP to it, it forwards with the admin credentials, and for requests matching a
+//! rule it answers a chosen error (with `Retry-After`), adds latency, or drops the
+//! connection instead.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{Method, Request, Response, StatusCode};
+use kube::Client;
+
+#[derive(Clone, Debug)]
+pub enum Fault {
+    /// Answer this HTTP status (a Kubernetes `Status` body), with `Retry-After` seconds.
+    Status(u16, Option<u32>),
+    /// Forward after this long.
+    Delay(Duration),
+    /// Close the connection without an answer.
+    Drop,
+}
+
+#[derive(Clone, Debug)]
+pub struct Rule {
+    pub method: Method,
+    /// A substring of the path (and query).
+    pub path: String,
+    pub fault: Fault,
+}
+
+impl Rule {
+    pub fn new(method: Method, path: &str, fault: Fault) -> Self {
+        Self { method, path: path.to_string(), fault }
+    }
+}
+
+#[derive(Clone)]
+struct Shared {
+    upstream: Client,
+    rules: Arc<Mutex<Vec<Rule>>>,
+    injected: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+pub struct FaultProxy {
+    pub url: String,
+    shared: Shared,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> {
+    let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+    let rule = s.rules.lock().unwrap().iter().find(|r| r.method == req.method() && path.contains(&r.path)).cloned();
+    if let Some(rule) = &rule {
+        s.injected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match &rule.fault {
+            Fault::Status(code, retry_after) => {
+                let body = serde_json::json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": code,
+                    "message": format!("injected fault: {code} for {} {path}", req.method()),
+                    "reason": match code { 409 => "Conflict", 422 => "Invalid", 429 => "TooManyRequests", 503 => "ServiceUnavailable", _ => "InternalError" },
+                });
+                let mut resp = Response::builder().status(*code).header("content-type", "application/json");
+                if let Some(s) = retry_after {
+                    resp = resp.header("retry-after", s.to_string());
+                }
+                return resp.body(Body::from(body.to_string())).unwrap();
+            }
+            Fault::Delay(d) => tokio::time::sleep(*d).await,
+            Fault::Drop => {
+                // A body that fails at once: the server aborts the connection.
+                let failing =
+                    futures::stream::once(async { Err::<axum::body::Bytes, _>(std::io::Error::other("dropped")) });
+                return Response::builder().status(200).body(Body::from_stream(failing)).unwrap();
+            }
+        }
+    }
+    let (mut parts, body) = req.into_parts();
+    parts.headers.remove("host");
+    parts.uri = path.parse().unwrap();
+    let bytes = match http_body_util::BodyExt::collect(body).await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return Response::builder().status(StatusCode::BAD_REQUEST).body(Body::empty()).unwrap(),
+    };
+    let upstream = Request::from_parts(parts, kube::client::Body::from(bytes.to_vec()));
+    match s.upstream.send(upstream).await {
+        Ok(resp) => {
+            let (parts, body) = resp.into_parts();
+            Response::from_parts(parts, Body::new(body))
+        }
+        Err(e) => Response::builder().status(StatusCode::BAD_GATEWAY).body(Body::from(e.to_string())).unwrap(),
+    }
+}
+
+impl FaultProxy {
+    pub async fn start(upstream: Client) -> FaultProxy {
+        let shared = Shared { upstream, rules: Default::default(), injected: Default::default() };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = axum::Router::new().fallback(forward).with_state(shared.clone());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        FaultProxy { url, shared, task }
+    }
+
+    /// A client that talks to the API server through the proxy, with kube's usual
+    /// behaviour (its automatic retry of 429/503 included), as capo's own client.
+    pub fn client(&self) -> Client {
+        let config = kube::Config::new(self.url.parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    pub fn set(&self, rules: Vec<Rule>) {
+        *self.shared.rules.lock().unwrap() = rules;
+    }
+
+    pub fn clear(&self) {
+        self.shared.rules.lock().unwrap().clear();
+    }
+
+    /// How many requests got a fault.
+    pub fn injected(&self) -> usize {
+        self.shared.injected.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
