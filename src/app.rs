@@ -17,7 +17,7 @@ use crate::admission::{Admission, AdmissionSettings};
 use crate::cache::Caches;
 use crate::certs::{self, CertError};
 use crate::health::{self, Readiness};
-use crate::hold::{HoldStore, detect_calico_api};
+use crate::hold::{HoldWriter, detect_calico_api};
 use crate::leader::{Election, Fence, LeaderError, LeaderSettings};
 use crate::metrics::Metrics;
 use crate::policy::{Matcher, PolicyController, SharedMatcher};
@@ -171,7 +171,7 @@ impl App {
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
             caches,
-            store: HoldStore::new(client.clone(), calico_api),
+            store: HoldWriter::new(client.clone(), calico_api),
             client: client.clone(),
             metrics: metrics.clone(),
             readiness: readiness.clone(),

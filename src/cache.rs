@@ -16,7 +16,7 @@ use kube::{Client, ResourceExt};
 use tracing::{debug, warn};
 
 use crate::health::Readiness;
-use crate::pod::PodFacts;
+use crate::pod::{PodFacts, Unholdable};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NamespaceFacts {
@@ -81,9 +81,12 @@ impl Caches {
         let api = Api::<Pod>::all(client);
         let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut listing = HashMap::new();
+        // Pods that could be held (the matcher's rule), and opted-out ones too: an eviction
+        // reaches capo without the Pod, and an opted-out Pod must be answered from memory
+        // (no API read for a Pod capo will not hold).
         let keep = |pod: &Pod| {
             let facts = PodFacts::from_pod(pod);
-            (!facts.ips.is_empty() && !facts.host_network).then(|| Arc::new(facts))
+            matches!(facts.unholdable(), None | Some(Unholdable::OptedOut)).then(|| Arc::new(facts))
         };
         while let Some(event) = events.next().await {
             match &event {

@@ -24,6 +24,31 @@ pub struct PodFacts {
     pub deleting: bool,
 }
 
+/// Why a Pod can never be held, whatever the policies say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unholdable {
+    NoIps,
+    HostNetwork,
+    OptedOut,
+}
+
+impl PodFacts {
+    /// The one definition of "this Pod can be held", shared by the matcher, the Pod cache
+    /// and (as CEL) the webhook's `matchConditions` (`webhook_config::MATCH_CONDITION`;
+    /// `admission::match_conditions_agree_with_the_pods_own_rule` checks they agree).
+    pub fn unholdable(&self) -> Option<Unholdable> {
+        if self.ips.is_empty() {
+            Some(Unholdable::NoIps)
+        } else if self.host_network {
+            Some(Unholdable::HostNetwork)
+        } else if self.annotations.get(capo_api::keys::HOLD_ANNOTATION).map(String::as_str) == Some("false") {
+            Some(Unholdable::OptedOut)
+        } else {
+            None
+        }
+    }
+}
+
 /// The wire shape of a Pod, reduced to what [`PodFacts`] needs; unknown fields are skipped
 /// without being allocated.
 #[derive(Deserialize, Default)]

@@ -1,5 +1,5 @@
 //! The `ValidatingWebhookConfiguration` capo writes for itself when it runs outside the
-//! cluster (local runs, tests): its webhooks call `https://<addr>/hold` with capo's own CA.
+//! cluster (local runs, tests): its webhooks call `https://<addr>/review-pod-deletion` with capo's own CA.
 //! In a cluster, Helm or kustomize ship the same configuration.
 
 use base64::Engine;
@@ -44,7 +44,7 @@ pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
         }
         json!({
             "name": name,
-            "clientConfig": { "url": format!("{}/hold", reg.url.trim_end_matches('/')), "caBundle": ca },
+            "clientConfig": { "url": format!("{}{}", reg.url.trim_end_matches('/'), crate::admission::REVIEW_PATH), "caBundle": ca },
             "rules": [
                 { "apiGroups": [""], "apiVersions": ["v1"], "operations": ["DELETE"], "resources": ["pods"], "scope": "Namespaced" },
                 { "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/eviction"], "scope": "Namespaced" },

@@ -66,7 +66,7 @@ async fn a_ten_megabyte_body_gets_413_with_the_reason() {
     let (client, ns) = setup("adm-413").await;
     let capo = start_capo(&client, &[&ns.name], None).await;
     let http = reqwest::Client::builder().danger_accept_invalid_certs(true).build().unwrap();
-    let url = format!("https://{}/hold", capo.webhook_addr);
+    let url = format!("https://{}{}", capo.webhook_addr, capo::admission::REVIEW_PATH);
     let body = vec![b' '; 10 << 20];
     let resp = http
         .post(&url)
@@ -84,23 +84,14 @@ async fn a_ten_megabyte_body_gets_413_with_the_reason() {
     assert_eq!(resp.status(), 400);
 }
 
-/// A Namespace the watch has not delivered yet (created a moment ago) is read from the
-/// API server, not guessed from its name: its labels decide whether the Pod is selected.
-/// The review goes straight to capo's router with caches that never synced, so the cache
-/// miss is certain; the writes go to the real API server.
-#[tokio::test]
-async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
+/// capo's router, called directly (no webhook registration), with caches that never
+/// synced, one policy, and a real client for its writes.
+fn direct_router(
+    client: &Client,
+    policy: &capo_api::CapoPolicy,
+) -> (axum::Router, std::sync::Arc<capo::metrics::Metrics>) {
     use std::sync::Arc;
-    use tower::ServiceExt;
-    let (client, ns) = setup("adm-ns-miss").await;
-    let labelled = TestNamespace::create_with_labels(&client, "adm-ns-new", &[("ip-reserve", "enabled")]).await;
-    let policy: capo_api::CapoPolicy = serde_json::from_value(json!({
-        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
-        "metadata": { "name": format!("{}-p", ns.name) },
-        "spec": { "namespaceSelector": { "matchLabels": { "ip-reserve": "enabled" } } },
-    }))
-    .unwrap();
-    let compiled = capo::policy::CompiledPolicy::compile(&policy).unwrap();
+    let compiled = capo::policy::CompiledPolicy::compile(policy).unwrap();
     let readiness = Arc::new(capo::health::Readiness::default());
     readiness.set_policies_synced();
     readiness.set_namespaces_synced();
@@ -109,38 +100,104 @@ async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
     let admission = Arc::new(capo::admission::Admission {
         matcher: Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new([compiled]))),
         caches: Arc::new(capo::cache::Caches::default()),
-        store: capo::hold::HoldStore::new(client.clone(), capo_api::CalicoApiGroup::CrdV1),
+        store: capo::hold::HoldWriter::new(client.clone(), capo_api::CalicoApiGroup::CrdV1),
         client: client.clone(),
         metrics: metrics.clone(),
         readiness,
         settings: capo::admission::AdmissionSettings {
-            excluded_namespaces: vec!["kube-system".into()],
+            excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
             max_review_time: Duration::from_secs(10),
         },
     });
-    let ip = Ips::v4();
+    (capo::admission::router(admission), metrics)
+}
+
+async fn send(router: &axum::Router, req: axum::http::Request<axum::body::Body>) -> serde_json::Value {
+    use tower::ServiceExt;
+    let resp = router.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn delete_review(namespace: &str, name: &str, ip: std::net::IpAddr) -> axum::http::Request<axum::body::Body> {
     let review = json!({
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
         "request": {
             "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
             "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": "db-0", "namespace": labelled.name, "operation": "DELETE", "userInfo": {"username": "alice"},
+            "name": name, "namespace": namespace, "operation": "DELETE", "userInfo": {"username": "alice"},
             "oldObject": {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": { "name": "db-0", "namespace": labelled.name, "uid": "pod-uid-1" },
+                "metadata": { "name": name, "namespace": namespace, "uid": format!("uid-{ip}") },
                 "spec": { "containers": [] },
                 "status": { "podIP": ip.to_string(), "podIPs": [{ "ip": ip.to_string() }] },
             },
         }
     });
-    let req = axum::http::Request::post("/hold?timeout=10s")
+    axum::http::Request::post(format!("{}?timeout=10s", capo::admission::REVIEW_PATH))
         .header("content-type", "application/json")
         .body(axum::body::Body::from(serde_json::to_vec(&review).unwrap()))
+        .unwrap()
+}
+
+/// kube-system and capo's own namespace are never held: the webhook configuration keeps
+/// them out, and capo skips them even if asked.
+#[tokio::test]
+async fn kube_system_and_capos_own_namespace_are_never_held() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let (client, ns) = setup("adm-system").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let config = Api::<ValidatingWebhookConfiguration>::all(client.clone())
+        .get(&format!("capo-test-{}", ns.name))
+        .await
         .unwrap();
-    let resp = capo::admission::router(admission).oneshot(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
-    let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    for webhook in config.webhooks.unwrap() {
+        let exprs = webhook.namespace_selector.unwrap().match_expressions.unwrap();
+        let excluded = exprs
+            .iter()
+            .find(|e| e.key == "kubernetes.io/metadata.name" && e.operator == "NotIn")
+            .expect("an exclusion");
+        let values = excluded.values.clone().unwrap();
+        assert!(
+            values.contains(&"kube-system".to_string()) && values.contains(&"capo-system".to_string()),
+            "{values:?}"
+        );
+    }
+    let policy: capo_api::CapoPolicy = serde_json::from_value(json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": format!("{}-all", ns.name) },
+        "spec": { "podSelector": {} },
+    }))
+    .unwrap();
+    let (router, metrics) = direct_router(&client, &policy);
+    for namespace in ["kube-system", "capo-system"] {
+        let ip = Ips::v4();
+        let answer = send(&router, delete_review(namespace, "coredns-0", ip)).await;
+        assert_eq!(answer["response"]["allowed"], true, "{answer}");
+        assert!(record(&client, ip).await.is_none(), "{namespace}: nothing held");
+    }
+    let m = metrics.render();
+    assert!(m.contains("capo_admission_requests_total{operation=\"delete\",outcome=\"excluded\"} 2"), "{m}");
+}
+
+/// A Namespace the watch has not delivered yet (created a moment ago) is read from the
+/// API server, not guessed from its name: its labels decide whether the Pod is selected.
+/// The review goes straight to capo's router with caches that never synced, so the cache
+/// miss is certain; the writes go to the real API server.
+#[tokio::test]
+async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
+    let (client, ns) = setup("adm-ns-miss").await;
+    let labelled = TestNamespace::create_with_labels(&client, "adm-ns-new", &[("ip-reserve", "enabled")]).await;
+    let policy: capo_api::CapoPolicy = serde_json::from_value(json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+        "metadata": { "name": format!("{}-p", ns.name) },
+        "spec": { "namespaceSelector": { "matchLabels": { "ip-reserve": "enabled" } } },
+    }))
+    .unwrap();
+    let (router, metrics) = direct_router(&client, &policy);
+    let ip = Ips::v4();
+    let req = delete_review(&labelled.name, "db-0", ip);
+    let answer = send(&router, req).await;
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
     assert!(record(&client, ip).await.is_some(), "held: the namespace's labels select the Pod");
     let m = metrics.render();
@@ -230,30 +287,44 @@ fn delete_reviews(app: &capo::App) -> f64 {
         .sum()
 }
 
-/// The webhook's matchConditions keep capo from being called at all for Pods it could
-/// never hold; a selected Pod in the same namespace proves capo is reachable.
+/// The webhook's matchConditions (CEL, evaluated by the API server) and capo's own rule
+/// (`PodFacts::unholdable`) agree: capo is called for exactly the Pods it could hold.
 #[tokio::test]
-async fn match_conditions_keep_capo_from_being_called_for_unholdable_pods() {
+async fn match_conditions_agree_with_the_pods_own_rule() {
     let (client, ns) = setup("adm-matchcond").await;
     let capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
-    create_pod_with_ips(&client, &ns.name, unscheduled_pod("no-ip", &[], &[]), &[]).await;
-    create_pod_with_ips(&client, &ns.name, unscheduled_pod("out", &[], &[("capo.io/hold", "false")]), &[Ips::v4()])
-        .await;
-    let mut host = unscheduled_pod("host", &[], &[]);
-    host.spec.as_mut().unwrap().host_network = Some(true);
-    create_pod_with_ips(&client, &ns.name, host, &[Ips::v4()]).await;
-    let before = delete_reviews(&capo);
-    for pod in ["no-ip", "out", "host"] {
-        delete_pod(&client, &ns.name, pod).await.unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let shapes: Vec<(&str, Vec<(&str, &str)>, bool, bool)> = vec![
+        // (name, annotations, has an IP, host network)
+        ("plain", vec![], true, false),
+        ("no-ip", vec![], false, false),
+        ("host", vec![], true, true),
+        ("opted-out", vec![("capo.io/hold", "false")], true, false),
+        ("opted-in", vec![("capo.io/hold", "true")], true, false),
+        ("odd-value", vec![("capo.io/hold", "FALSE")], true, false),
+        ("other-annotation", vec![("example.com/hold", "false")], true, false),
+    ];
+    for (name, annotations, has_ip, host) in shapes {
+        let mut pod = unscheduled_pod(name, &[], &annotations);
+        pod.spec.as_mut().unwrap().host_network = Some(host);
+        let ips = if has_ip { vec![Ips::v4()] } else { vec![] };
+        let created = create_pod_with_ips(&client, &ns.name, pod, &ips).await;
+        let live = pods.get(name).await.unwrap();
+        let expected_call = capo::pod::PodFacts::from_pod(&live).unholdable().is_none();
+        let before = delete_reviews(&capo);
+        delete_pod(&client, &ns.name, name).await.unwrap();
+        let called = delete_reviews(&capo) > before;
+        assert_eq!(
+            called, expected_call,
+            "{name}: API server called capo = {called}, capo's rule says {expected_call}"
+        );
+        if called {
+            assert!(record(&client, ips[0]).await.is_some(), "{name}: held");
+        }
+        drop(created);
     }
-    assert_eq!(delete_reviews(&capo), before, "capo was not called for Pods it can never hold");
-    let ip = Ips::v4();
-    create_pod_with_ips(&client, &ns.name, unscheduled_pod("held", &[], &[]), &[ip]).await;
-    delete_pod(&client, &ns.name, "held").await.unwrap();
-    assert!(delete_reviews(&capo) > before, "but it is called for a holdable one");
-    assert!(record(&client, ip).await.is_some());
 }
 
 fn kubectl(args: &[&str]) -> (bool, String) {

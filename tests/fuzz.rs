@@ -46,7 +46,7 @@ fn router() -> axum::Router {
     capo::admission::router(Arc::new(capo::admission::Admission {
         matcher: Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new(policies))),
         caches: Arc::new(capo::cache::Caches::default()),
-        store: capo::hold::HoldStore::new(client.clone(), capo_api::CalicoApiGroup::CrdV1),
+        store: capo::hold::HoldWriter::new(client.clone(), capo_api::CalicoApiGroup::CrdV1),
         client,
         metrics: Arc::new(capo::metrics::Metrics::new()),
         readiness,
@@ -60,8 +60,10 @@ fn router() -> axum::Router {
 /// Sends `body` and checks the answer is well-formed.
 async fn check(router: &axum::Router, body: Vec<u8>) -> Result<(), TestCaseError> {
     let uid = serde_json::from_slice::<Value>(&body).ok().and_then(|v| v.pointer("/request/uid").cloned());
-    let req =
-        Request::post("/hold?timeout=1s").header("content-type", "application/json").body(Body::from(body)).unwrap();
+    let req = Request::post(&format!("{}?timeout=1s", capo::admission::REVIEW_PATH))
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
     let resp = router.clone().oneshot(req).await.unwrap();
     let status = resp.status().as_u16();
     let bytes = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();

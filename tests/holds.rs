@@ -365,7 +365,7 @@ async fn a_malformed_admission_review_gets_400_with_the_reason() {
     let (client, ns) = setup("hold-malformed").await;
     let capo = start_capo(&client, &[&ns.name], None).await;
     let http = reqwest::Client::builder().danger_accept_invalid_certs(true).build().unwrap();
-    let url = format!("https://{}/hold", capo.webhook_addr);
+    let url = format!("https://{}{}", capo.webhook_addr, capo::admission::REVIEW_PATH);
     for (body, reason) in [
         ("{not json", "malformed AdmissionReview"),
         (r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#, "malformed AdmissionReview"),

@@ -1,4 +1,4 @@
-//! The `/hold` endpoint: parse, decide, hold, answer.
+//! The review endpoint: parse, decide, hold if the Pod is selected, answer.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -23,7 +23,7 @@ use super::deadline::budget;
 use super::respond::{allow, deny};
 use crate::cache::{Caches, NamespaceFacts};
 use crate::health::Readiness;
-use crate::hold::{HoldError, HoldRequest, HoldStore, RecordOutcome};
+use crate::hold::{HoldError, HoldRequest, HoldWriter, RecordOutcome};
 use crate::metrics::Metrics;
 use crate::pod::PodFacts;
 use crate::policy::{Decision, HoldPlan, RequestContext, SharedMatcher};
@@ -46,41 +46,45 @@ pub struct AdmissionSettings {
 pub struct Admission {
     pub matcher: SharedMatcher,
     pub caches: Arc<Caches>,
-    pub store: HoldStore,
+    pub store: HoldWriter,
     pub client: Client,
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
     pub settings: AdmissionSettings,
 }
 
+/// Where the API server sends its reviews of Pod deletions and evictions.
+pub const REVIEW_PATH: &str = "/review-pod-deletion";
+
 pub fn router(admission: Arc<Admission>) -> Router {
-    Router::new().route("/hold", post(serve)).with_state(admission)
+    Router::new().route(REVIEW_PATH, post(serve)).with_state(admission)
 }
 
+/// What is being reviewed.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
+enum PodOperation {
     Delete,
     Eviction,
 }
 
-impl Kind {
+impl PodOperation {
     fn as_str(self) -> &'static str {
         match self {
-            Kind::Delete => "delete",
-            Kind::Eviction => "eviction",
+            PodOperation::Delete => "delete",
+            PodOperation::Eviction => "eviction",
         }
     }
     fn trigger(self) -> HoldTrigger {
         match self {
-            Kind::Delete => HoldTrigger::Delete,
-            Kind::Eviction => HoldTrigger::Eviction,
+            PodOperation::Delete => HoldTrigger::Delete,
+            PodOperation::Eviction => HoldTrigger::Eviction,
         }
     }
     /// The code of a denial: eviction clients (`kubectl drain`) retry on 429.
     fn deny_code(self) -> u16 {
         match self {
-            Kind::Delete => 503,
-            Kind::Eviction => 429,
+            PodOperation::Delete => 503,
+            PodOperation::Eviction => 429,
         }
     }
 }
@@ -176,7 +180,7 @@ async fn serve(
             return bad_request(message);
         }
     };
-    let op = kind.map_or("other", Kind::as_str);
+    let op = kind.map_or("other", PodOperation::as_str);
     adm.metrics.admission_requests.with_label_values(&[op, outcome]).inc();
     adm.metrics.admission_duration.with_label_values(&[op, outcome]).observe(started.elapsed().as_secs_f64());
     axum::Json(response.into_review()).into_response()
@@ -188,11 +192,11 @@ impl Admission {
         &self,
         req: &AdmissionRequest<DynamicObject>,
         deadline: Instant,
-    ) -> Result<(Option<Kind>, &'static str, AdmissionResponse), String> {
+    ) -> Result<(Option<PodOperation>, &'static str, AdmissionResponse), String> {
         let resp = AdmissionResponse::from(req);
         let kind = match (&req.operation, req.sub_resource.as_deref(), req.resource.resource.as_str()) {
-            (Operation::Delete, None | Some(""), "pods") => Kind::Delete,
-            (Operation::Create, Some("eviction"), "pods") => Kind::Eviction,
+            (Operation::Delete, None | Some(""), "pods") => PodOperation::Delete,
+            (Operation::Create, Some("eviction"), "pods") => PodOperation::Eviction,
             // Not something capo registers for; never stand in the way.
             _ => return Ok((None, "ignored", allow(resp, vec![]))),
         };
@@ -201,12 +205,12 @@ impl Admission {
             return Ok((Some(kind), "excluded", allow(resp, vec![])));
         }
         let pod = match kind {
-            Kind::Delete => {
+            PodOperation::Delete => {
                 let old = req.old_object.as_ref().ok_or("a Pod DELETE review without oldObject")?;
                 let value = serde_json::to_value(old).map_err(|e| format!("oldObject: {e}"))?;
                 PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?
             }
-            Kind::Eviction => match self.evicted_pod(&namespace, &req.name, deadline).await {
+            PodOperation::Eviction => match self.evicted_pod(&namespace, &req.name, deadline).await {
                 Ok(Some(p)) => p,
                 Ok(None) => return Ok((Some(kind), "no_pod", allow(resp, vec![]))),
                 Err(e) => {
@@ -243,7 +247,7 @@ impl Admission {
             }
             Decision::Hold(plan) => plan,
         };
-        if req.dry_run || (kind == Kind::Eviction && eviction_is_dry_run(req.object.as_ref())) {
+        if req.dry_run || (kind == PodOperation::Eviction && eviction_is_dry_run(req.object.as_ref())) {
             let mut warnings = plan.warnings.clone();
             warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), plan.policy.reservation_name()));
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));
@@ -284,12 +288,12 @@ impl Admission {
 
     async fn hold(
         &self,
-        kind: Kind,
+        kind: PodOperation,
         pod: &PodFacts,
         plan: HoldPlan,
         resp: AdmissionResponse,
         deadline: Instant,
-    ) -> (Option<Kind>, &'static str, AdmissionResponse) {
+    ) -> (Option<PodOperation>, &'static str, AdmissionResponse) {
         let policy = &plan.policy;
         let timeout = deadline.saturating_duration_since(Instant::now());
         // The writes run in their own task: if the deadline passes first, the answer is a

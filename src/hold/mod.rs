@@ -63,14 +63,14 @@ const RECENT: Duration = Duration::from_secs(30);
 
 /// Writes holds for one Calico API group.
 #[derive(Clone)]
-pub struct HoldStore {
+pub struct HoldWriter {
     reservations: Reservations,
     records: Records,
     /// (Pod UID, IP) written in the last [`RECENT`], with when.
     recent: Arc<Mutex<HashMap<(String, IpAddr), Instant>>>,
 }
 
-impl HoldStore {
+impl HoldWriter {
     pub fn new(client: Client, calico: capo_api::CalicoApiGroup) -> Self {
         Self {
             reservations: Reservations::new(client.clone(), calico),

@@ -8,7 +8,7 @@ use capo_api::keys::{HOLD_ANNOTATION, POLICY_ANNOTATION, RESERVE_FOR_ANNOTATION}
 use capo_api::policy::{WorkloadKind, WorkloadRef};
 
 use super::CompiledPolicy;
-use crate::pod::PodFacts;
+use crate::pod::{PodFacts, Unholdable};
 
 /// The usable policies, highest priority first (ties: name ascending).
 #[derive(Clone, Debug, Default)]
@@ -78,16 +78,13 @@ impl Matcher {
     }
 
     pub fn decide(&self, pod: &PodFacts, ctx: &RequestContext<'_>) -> Decision {
-        if pod.ips.is_empty() {
-            return Decision::Skip(SkipReason::NoIps);
-        }
-        if pod.host_network {
-            return Decision::Skip(SkipReason::HostNetwork);
+        match pod.unholdable() {
+            Some(Unholdable::NoIps) => return Decision::Skip(SkipReason::NoIps),
+            Some(Unholdable::HostNetwork) => return Decision::Skip(SkipReason::HostNetwork),
+            Some(Unholdable::OptedOut) => return Decision::Skip(SkipReason::OptedOut),
+            None => {}
         }
         let hold = pod.annotations.get(HOLD_ANNOTATION).map(String::as_str);
-        if hold == Some("false") {
-            return Decision::Skip(SkipReason::OptedOut);
-        }
         let mut warnings = Vec::new();
         let Some(policy) = self.choose(pod, ctx, hold == Some("true"), &mut warnings) else {
             return Decision::Skip(SkipReason::NotSelected);

@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 use super::plan::{Plan, PlanSettings, Planner, ReleaseReason, ReservationView, World};
 use super::watches::Views;
 use super::writes::{LeaderWrites, RecordFate, ReleaseError};
-use crate::hold::{HoldRequest, HoldStore, RecordOutcome};
+use crate::hold::{HoldRequest, HoldWriter, RecordOutcome};
 use crate::leader::Fence;
 use crate::metrics::Metrics;
 use crate::pod::PodFacts;
@@ -50,7 +50,7 @@ struct Run<'a> {
     views: Views,
     planner: Planner,
     writes: LeaderWrites,
-    store: HoldStore,
+    store: HoldWriter,
     recorder: Recorder,
     /// Pods the safety net tried, with when (retried after a while).
     netted: HashMap<String, Timestamp>,
@@ -92,7 +92,7 @@ impl ReleaseEngine {
             views: Views::start(&self.client, self.group),
             planner: Planner::new(self.settings.plan.clone()),
             writes: LeaderWrites::new(self.client.clone(), self.group, fence.clone()),
-            store: HoldStore::new(self.client.clone(), self.group),
+            store: HoldWriter::new(self.client.clone(), self.group),
             recorder: Recorder::new(self.client.clone(), reporter),
             netted: HashMap::new(),
             announced: HashSet::new(),
