@@ -60,7 +60,7 @@ fn router() -> axum::Router {
 /// Sends `body` and checks the answer is well-formed.
 async fn check(router: &axum::Router, body: Vec<u8>) -> Result<(), TestCaseError> {
     let uid = serde_json::from_slice::<Value>(&body).ok().and_then(|v| v.pointer("/request/uid").cloned());
-    let req = Request::post(&format!("{}?timeout=1s", capo::admission::REVIEW_PATH))
+    let req = Request::post(format!("{}?timeout=1s", capo::admission::REVIEW_PATH))
         .header("content-type", "application/json")
         .body(Body::from(body))
         .unwrap();
