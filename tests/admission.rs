@@ -296,7 +296,8 @@ async fn match_conditions_agree_with_the_pods_own_rule() {
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
     let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
-    let shapes: Vec<(&str, Vec<(&str, &str)>, bool, bool)> = vec![
+    type Shape<'a> = (&'a str, Vec<(&'a str, &'a str)>, bool, bool);
+    let shapes: Vec<Shape> = vec![
         // (name, annotations, has an IP, host network)
         ("plain", vec![], true, false),
         ("no-ip", vec![], false, false),
