@@ -14,8 +14,12 @@ controlplane: ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-m
 	@bash hack/build-controlplane.sh >/dev/null
 
 .PHONY: crds
-crds: ## Regenerate the CRD YAML (config/crd/bases, charts/capo/crds) from the api crate
+crds: ## Regenerate the CRD YAML (config/crd/bases, charts/capo/crds) and config/webhook from the code
 	cargo run -q --bin crdgen
+
+.PHONY: manifests
+manifests: crds ## Regenerate the generated manifests and deploy/capo.yaml (kubectl kustomize config/default)
+	kubectl kustomize config/default > deploy/capo.yaml
 
 .PHONY: lint
 lint: ## cargo fmt --check and clippy -D warnings

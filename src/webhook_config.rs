@@ -32,19 +32,44 @@ has(oldObject.status) && has(oldObject.status.podIPs) && size(oldObject.status.p
 !(has(oldObject.metadata.annotations) && 'capo.io/hold' in oldObject.metadata.annotations && \
 oldObject.metadata.annotations['capo.io/hold'] == 'false'))";
 
-pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
-    let ca = base64::engine::general_purpose::STANDARD.encode(reg.ca_pem.as_bytes());
+/// Where the API server reaches capo.
+enum Endpoint<'a> {
+    /// A URL with capo's own CA (local runs, tests).
+    Url { url: &'a str, ca_pem: &'a str },
+    /// capo's Service in the cluster; the caBundle is injected later (cert-manager) and is
+    /// deliberately absent here, so Argo CD sees no drift.
+    Service { namespace: &'a str, name: &'a str },
+}
+
+/// The two webhooks: `Ignore` for every namespace, `Fail` for namespaces labelled
+/// `capo.io/failure-policy=Fail`. One definition for self-registration and the manifests.
+fn configuration(
+    name: &str,
+    endpoint: Endpoint<'_>,
+    excluded_namespaces: &[String],
+    only_namespaces: Option<&[String]>,
+    timeout_seconds: i32,
+) -> serde_json::Value {
+    let client_config = match endpoint {
+        Endpoint::Url { url, ca_pem } => json!({
+            "url": format!("{}{}", url.trim_end_matches('/'), crate::admission::REVIEW_PATH),
+            "caBundle": base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes()),
+        }),
+        Endpoint::Service { namespace, name } => json!({
+            "service": { "namespace": namespace, "name": name, "path": crate::admission::REVIEW_PATH, "port": 443 },
+        }),
+    };
     let webhook = |name: &str, failure_policy: &str, fail_ns_operator: &str| {
         let mut expressions = vec![
-            json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": reg.excluded_namespaces }),
+            json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded_namespaces }),
             json!({ "key": FAILURE_POLICY_LABEL, "operator": fail_ns_operator, "values": ["Fail"] }),
         ];
-        if let Some(only) = &reg.only_namespaces {
+        if let Some(only) = only_namespaces {
             expressions.push(json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }));
         }
         json!({
             "name": name,
-            "clientConfig": { "url": format!("{}{}", reg.url.trim_end_matches('/'), crate::admission::REVIEW_PATH), "caBundle": ca },
+            "clientConfig": client_config,
             "rules": [
                 { "apiGroups": [""], "apiVersions": ["v1"], "operations": ["DELETE"], "resources": ["pods"], "scope": "Namespaced" },
                 { "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/eviction"], "scope": "Namespaced" },
@@ -53,21 +78,46 @@ pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
             "matchConditions": [{ "name": "holdable-pod", "expression": MATCH_CONDITION }],
             "failurePolicy": failure_policy,
             "sideEffects": "NoneOnDryRun",
-            "timeoutSeconds": reg.timeout_seconds,
+            "timeoutSeconds": timeout_seconds,
             "admissionReviewVersions": ["v1"],
             "matchPolicy": "Equivalent",
         })
     };
-    serde_json::from_value(json!({
+    json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingWebhookConfiguration",
-        "metadata": { "name": reg.name, "labels": { capo_api::keys::MANAGED_BY_LABEL: capo_api::keys::MANAGED_BY_VALUE } },
+        "metadata": { "name": name, "labels": { capo_api::keys::MANAGED_BY_LABEL: capo_api::keys::MANAGED_BY_VALUE } },
         "webhooks": [
             webhook("hold.capo.io", "Ignore", "NotIn"),
             webhook("hold-required.capo.io", "Fail", "In"),
         ],
-    }))
-    .expect("static webhook configuration")
+    })
+}
+
+pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
+    let endpoint = Endpoint::Url { url: &reg.url, ca_pem: &reg.ca_pem };
+    let value = configuration(
+        &reg.name,
+        endpoint,
+        &reg.excluded_namespaces,
+        reg.only_namespaces.as_deref(),
+        reg.timeout_seconds,
+    );
+    serde_json::from_value(value).expect("static webhook configuration")
+}
+
+/// The configuration the manifests install (`make manifests` writes it to
+/// `config/webhook/manifests.yaml`): capo's Service in `namespace`, kube-system and that
+/// namespace excluded, 5 s timeout, no caBundle.
+pub fn in_cluster(namespace: &str) -> serde_json::Value {
+    let excluded = ["kube-system".to_string(), namespace.to_string()];
+    configuration("capo", Endpoint::Service { namespace, name: "capo" }, &excluded, None, 5)
+}
+
+/// `config/webhook/manifests.yaml`, as checked in.
+pub fn in_cluster_yaml() -> String {
+    let yaml = serde_norway::to_string(&in_cluster("capo-system")).expect("serializes");
+    format!("# Generated by `make manifests` from src/webhook_config.rs. Do not edit.\n{yaml}")
 }
 
 /// Creates or updates the configuration (server-side apply).
@@ -83,5 +133,17 @@ pub async fn delete(client: &Client, name: &str) -> Result<(), kube::Error> {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The checked-in webhook manifest is exactly what the code generates.
+    #[test]
+    fn webhook_manifest_does_not_drift() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/webhook/manifests.yaml");
+        let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(on_disk == super::in_cluster_yaml(), "{} drifted; run `make manifests`", path.display());
+        assert!(!on_disk.contains("caBundle"), "no caBundle in the manifests (injected in the cluster)");
     }
 }

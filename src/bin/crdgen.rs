@@ -1,5 +1,5 @@
-//! `crdgen`: writes capo's CRD YAML into `config/crd/bases/` and `charts/capo/crds/`
-//! (`make crds`). `crdgen --calico` prints capo's bindings of Calico's IPReservation
+//! `crdgen`: writes capo's CRD YAML into `config/crd/bases/` and `charts/capo/crds/`, and
+//! the webhook configuration into `config/webhook/manifests.yaml` (`make manifests`). `crdgen --calico` prints capo's bindings of Calico's IPReservation
 //! CRDs (both API groups) instead, for clusters without Calico such as the local demo.
 
 use std::path::Path;
@@ -21,5 +21,9 @@ fn main() -> std::io::Result<()> {
             println!("wrote {}", path.display());
         }
     }
+    let path = root.join("config/webhook/manifests.yaml");
+    std::fs::create_dir_all(path.parent().expect("a parent"))?;
+    std::fs::write(&path, capo::webhook_config::in_cluster_yaml())?;
+    println!("wrote {}", path.display());
     Ok(())
 }
