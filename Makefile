@@ -26,8 +26,12 @@ lint: ## cargo fmt --check and clippy -D warnings
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
+.PHONY: tools
+tools: ## Install lua5.1 and promtool (Debian packages) if missing
+	@bash hack/tools.sh
+
 .PHONY: test
-test: controlplane ## Run every test: unit, CRD drift, and integration tests on a real control plane
+test: controlplane tools ## Run every test: unit, CRD drift, and integration tests on a real control plane
 	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo test --workspace
 
 .PHONY: bench

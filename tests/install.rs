@@ -39,14 +39,19 @@ async fn kubectl(args: &[&str], stdin: Option<&str>) -> (bool, String) {
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
-/// Minimal stand-ins for cert-manager's CRDs, so manifests that use them can be checked.
+/// Minimal stand-ins for cert-manager's, the Prometheus operator's and Argo CD's CRDs, so
+/// manifests that use them can be checked.
 fn fixture_crd(group: &str, kind: &str, plural: &str) -> CustomResourceDefinition {
+    let version = match group {
+        "argoproj.io" => "v1alpha1",
+        _ => "v1",
+    };
     serde_json::from_value(json!({
         "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
         "metadata": { "name": format!("{plural}.{group}") },
         "spec": { "group": group, "scope": "Namespaced",
                   "names": { "kind": kind, "plural": plural, "singular": kind.to_lowercase() },
-                  "versions": [{ "name": "v1", "served": true, "storage": true,
+                  "versions": [{ "name": version, "served": true, "storage": true,
                                  "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] },
     }))
     .unwrap()
@@ -58,8 +63,15 @@ async fn setup() -> Client {
     install_calico_crds(&client).await;
     install_crd(&client, fixture_crd("cert-manager.io", "Issuer", "issuers")).await;
     install_crd(&client, fixture_crd("cert-manager.io", "Certificate", "certificates")).await;
-    let ns = serde_json::from_value(json!({ "metadata": { "name": "capo-system" } })).unwrap();
-    let _ = Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await;
+    install_crd(&client, fixture_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")).await;
+    install_crd(&client, fixture_crd("monitoring.coreos.com", "PrometheusRule", "prometheusrules")).await;
+    install_crd(&client, fixture_crd("argoproj.io", "Application", "applications")).await;
+    install_crd(&client, fixture_crd("argoproj.io", "AppProject", "appprojects")).await;
+    for name in ["capo-system", "argocd"] {
+        let ns = serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap();
+        let _ =
+            Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await;
+    }
     client
 }
 
