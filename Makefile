@@ -17,6 +17,10 @@ controlplane: ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-m
 crds: ## Regenerate the CRD YAML (config/crd/bases, charts/capo/crds) and config/webhook from the code
 	cargo run -q --bin crdgen
 
+.PHONY: chart-readme
+chart-readme: ## Regenerate charts/capo/README.md from values.yaml
+	CAPO_REGENERATE=1 cargo test -q --test chart the_chart_readme_is_generated_from_the_values
+
 .PHONY: manifests
 manifests: crds ## Regenerate the generated manifests and deploy/capo.yaml (kubectl kustomize config/default)
 	kubectl kustomize config/default > deploy/capo.yaml

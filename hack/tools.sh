@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Installs the tools `make test` needs besides Rust and Go, if they are missing:
+#   helm     renders the chart (tests/chart.rs): built from the Go module proxy into
+#            ~/.cache/capo/tools/helm-<version>/helm (about 2 minutes, once)
 #   lua5.1   runs Argo CD's health-check tests (tests/argocd.rs)
 #   promtool checks and tests the alerts (tests/prometheus.rs), from Debian's prometheus
 #   kubectl  applies and renders manifests (tests/install.rs, tests/admission.rs)
@@ -7,6 +9,14 @@
 set -euo pipefail
 
 log() { printf '[tools] %s\n' "$*" >&2; }
+
+helm_version=v3.22.0
+helm_dir="${XDG_CACHE_HOME:-$HOME/.cache}/capo/tools/helm-$helm_version"
+if [[ ! -x "$helm_dir/helm" ]]; then
+  log "building helm $helm_version from the Go module proxy"
+  mkdir -p "$helm_dir"
+  (cd /tmp && CGO_ENABLED=0 GOFLAGS=-mod=mod GOBIN="$helm_dir" go install "helm.sh/helm/v3/cmd/helm@$helm_version")
+fi
 
 missing=()
 command -v lua5.1 >/dev/null 2>&1 || missing+=(lua5.1)

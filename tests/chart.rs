@@ -1,0 +1,214 @@
+//! The Helm chart (`charts/capo`): rendered by a real helm (built by `hack/tools.sh`),
+//! it grants the same RBAC and registers the same webhooks as the kustomize manifests,
+//! carries no caBundle, validates its values, passes a server-side dry run with default
+//! values and with every option on, and its README is generated from `values.yaml`
+//! (`make chart-readme`).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use support::*;
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+fn helm() -> PathBuf {
+    if let Some(h) = std::env::var_os("CAPO_HELM") {
+        return h.into();
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"));
+    let path = cache.join("capo/tools/helm-v3.22.0/helm");
+    assert!(path.exists(), "{} missing: run `make tools` (make test does)", path.display());
+    path
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{cmd:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+    text
+}
+
+fn template(args: &[&str]) -> String {
+    run(Command::new(helm())
+        .args(["template", "capo", repo("charts/capo").to_str().unwrap(), "-n", "capo-system"])
+        .args(args))
+}
+
+const EVERY_OPTION: &[&str] = &[
+    "--set",
+    "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,metrics.grafanaDashboard.enabled=true",
+    "--set",
+    "certificates.mode=secret,certificates.caBundle=abc,webhook.excludedNamespaces={redis-system},webhook.failurePolicy=Fail",
+];
+
+fn docs(yaml: &str) -> Vec<Value> {
+    yaml.split("\n---")
+        .filter_map(|d| serde_norway::from_str::<Value>(d).ok())
+        .filter(|v| v.get("kind").is_some())
+        .collect()
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"] == name).unwrap_or_else(|| panic!("{kind}/{name}"))
+}
+
+/// The parts of a webhook both installs must agree on.
+fn webhook_contract(w: &Value) -> Value {
+    serde_json::json!({
+        "name": w["name"], "rules": w["rules"], "failurePolicy": w["failurePolicy"], "sideEffects": w["sideEffects"],
+        "matchConditions": w["matchConditions"], "namespaceSelector": w["namespaceSelector"],
+        "admissionReviewVersions": w["admissionReviewVersions"], "timeoutSeconds": w["timeoutSeconds"],
+        "service": w["clientConfig"]["service"],
+    })
+}
+
+#[test]
+fn the_chart_and_kustomize_grant_the_same_rbac_and_register_the_same_webhooks() {
+    let chart = docs(&template(&[]));
+    let kustomize = docs(&run(Command::new("kubectl").args(["kustomize", repo("config/default").to_str().unwrap()])));
+    for (kind, name) in [("ClusterRole", "capo"), ("Role", "capo-leader-election")] {
+        assert_eq!(find(&chart, kind, name)["rules"], find(&kustomize, kind, name)["rules"], "{kind}/{name}");
+    }
+    let (a, b) = (
+        find(&chart, "ValidatingWebhookConfiguration", "capo"),
+        find(&kustomize, "ValidatingWebhookConfiguration", "capo"),
+    );
+    let contract = |v: &Value| v["webhooks"].as_array().unwrap().iter().map(webhook_contract).collect::<Vec<_>>();
+    assert_eq!(contract(a), contract(b));
+    assert_eq!(a["metadata"]["annotations"], b["metadata"]["annotations"], "the same cert-manager injection");
+    for w in a["webhooks"].as_array().unwrap() {
+        assert!(w["clientConfig"].get("caBundle").is_none(), "no caBundle field in the rendered chart: {w}");
+    }
+}
+
+#[test]
+fn the_chart_copies_of_the_cel_filter_and_the_alerts_are_current() {
+    let cel = std::fs::read_to_string(repo("charts/capo/files/match-condition.cel")).unwrap();
+    assert_eq!(cel.trim(), capo::webhook_config::MATCH_CONDITION, "run `make crds`");
+    let alerts: Value =
+        serde_norway::from_str(&std::fs::read_to_string(repo("charts/capo/files/alerts.yaml")).unwrap()).unwrap();
+    let rule: Value =
+        serde_norway::from_str(&std::fs::read_to_string(repo("config/prometheus/prometheus_rule.yaml")).unwrap())
+            .unwrap();
+    assert_eq!(alerts, rule["spec"], "run `make crds`");
+}
+
+#[test]
+fn values_are_validated_by_the_schema() {
+    let out = Command::new(helm())
+        .args(["template", "capo", repo("charts/capo").to_str().unwrap(), "--set", "webhook.failurePolicy=Sometimes"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("failurePolicy") && err.contains("Ignore"), "{err}");
+    run(Command::new(helm()).args(["lint", repo("charts/capo").to_str().unwrap()]));
+    let all = docs(&template(EVERY_OPTION));
+    let vwc = find(&all, "ValidatingWebhookConfiguration", "capo");
+    assert_eq!(vwc["webhooks"][0]["failurePolicy"], "Fail");
+    let excluded = &vwc["webhooks"][0]["namespaceSelector"]["matchExpressions"][0]["values"];
+    assert_eq!(
+        excluded,
+        &serde_json::json!(["kube-system", "capo-system", "redis-system"]),
+        "kube-system and the release namespace always"
+    );
+}
+
+#[tokio::test]
+async fn the_chart_passes_a_server_side_dry_run_with_default_values_and_every_option() {
+    let client = client().await;
+    install_calico_crds(&client).await;
+    for (group, kind, plural) in [
+        ("cert-manager.io", "Issuer", "issuers"),
+        ("cert-manager.io", "Certificate", "certificates"),
+        ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
+        ("monitoring.coreos.com", "PrometheusRule", "prometheusrules"),
+    ] {
+        let crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition =
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                "metadata": { "name": format!("{plural}.{group}") },
+                "spec": { "group": group, "scope": "Namespaced",
+                          "names": { "kind": kind, "plural": plural, "singular": kind.to_lowercase() },
+                          "versions": [{ "name": "v1", "served": true, "storage": true,
+                                         "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] },
+            }))
+            .unwrap();
+        install_crd(&client, crd).await;
+    }
+    install_capo_crds(&client).await;
+    let ns = serde_json::from_value(serde_json::json!({ "metadata": { "name": "capo-system" } })).unwrap();
+    let _ =
+        kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&Default::default(), &ns).await;
+    for args in [vec!["--include-crds"], [&["--include-crds"][..], EVERY_OPTION].concat()] {
+        let rendered = template(&args);
+        let mut apply = std::process::Command::new("kubectl")
+            .args(["apply", "--server-side", "--dry-run=server", "-f", "-"])
+            .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        apply.stdin.take().unwrap().write_all(rendered.as_bytes()).unwrap();
+        let out = apply.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {said}");
+    }
+}
+
+/// `charts/capo/README.md` from the `# --` comments of values.yaml.
+fn chart_readme() -> String {
+    let values = std::fs::read_to_string(repo("charts/capo/values.yaml")).unwrap();
+    let mut rows = Vec::new();
+    let mut path: Vec<(usize, String)> = Vec::new();
+    let mut doc: Option<String> = None;
+    for line in values.lines() {
+        let indent = line.len() - line.trim_start().len();
+        let text = line.trim();
+        if let Some(d) = text.strip_prefix("# --") {
+            doc = Some(d.trim().to_string());
+            continue;
+        }
+        if text.is_empty() || text.starts_with('#') {
+            continue;
+        }
+        let Some((key, value)) = text.split_once(':') else { continue };
+        path.retain(|(i, _)| *i < indent);
+        path.push((indent, key.trim().to_string()));
+        if let Some(d) = doc.take() {
+            let full = path.iter().map(|(_, k)| k.as_str()).collect::<Vec<_>>().join(".");
+            let default =
+                if value.trim().is_empty() { "see values.yaml".to_string() } else { format!("`{}`", value.trim()) };
+            rows.push(format!("| `{full}` | {default} | {d} |"));
+        }
+    }
+    format!(
+        "<!-- Generated by `make chart-readme` from values.yaml. Do not edit. -->\n# capo Helm chart\n\n\
+         Installs capo: the webhook (every replica), the leader's release engine, RBAC, the webhook \
+         configuration (no caBundle: cert-manager injects it, or give it in `certificates.caBundle`), \
+         a PodDisruptionBudget that never blocks a drain, and optionally a ServiceMonitor, capo's \
+         alerts and a Grafana dashboard. The CRDs are in `crds/`. See docs/install.md.\n\n\
+         ```sh\nhelm install capo charts/capo -n capo-system --create-namespace\n```\n\n\
+         | value | default | description |\n| --- | --- | --- |\n{}\n",
+        rows.join("\n")
+    )
+}
+
+#[test]
+fn the_chart_readme_is_generated_from_the_values() {
+    let path = repo("charts/capo/README.md");
+    if std::env::var_os("CAPO_REGENERATE").is_some() {
+        std::fs::write(&path, chart_readme()).unwrap();
+    }
+    let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(on_disk == chart_readme(), "{} drifted from values.yaml; run `make chart-readme`", path.display());
+}
