@@ -17,6 +17,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams
 use kube::{Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
 
+#[allow(unused_imports)]
 pub use capo_testenv::TestNamespace;
 
 pub mod faults;
