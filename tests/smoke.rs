@@ -101,7 +101,8 @@ async fn api_server_calls_a_tls_webhook_on_pod_delete_and_eviction() {
             .await
             .unwrap();
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let router = axum::Router::new().route("/hold", post(record_and_decide)).with_state(seen.clone());
+    let router =
+        axum::Router::new().route(capo::admission::REVIEW_PATH, post(record_and_decide)).with_state(seen.clone());
     let handle: axum_server::Handle<std::net::SocketAddr> = axum_server::Handle::new();
     let server = axum_server::bind_rustls("127.0.0.1:0".parse().unwrap(), tls).handle(handle.clone());
     tokio::spawn(server.serve(router.into_make_service()));
