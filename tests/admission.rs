@@ -415,3 +415,50 @@ async fn a_denied_delete_is_a_503_and_shutdown_removes_the_webhook_configuration
     capo.shutdown().await;
     assert!(configs.get_opt(&name).await.unwrap().is_none(), "removed on exit");
 }
+
+/// The point of it all: a StatefulSet Pod deleted while capo holds its IP comes back with
+/// a new IP. kwok is not Calico: the test environment's stand-in for Calico IPAM's rule
+/// (an address listed in an IPReservation is never auto-assigned) runs during this test.
+#[tokio::test]
+async fn the_recreated_pod_gets_a_new_ip() {
+    let (client, ns) = setup("adm-new-ip").await;
+    let ipam = tokio::spawn(capo_testenv::ipam::run(client.clone()));
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+    let sts: k8s_openapi::api::apps::v1::StatefulSet = serde_json::from_value(json!({
+        "metadata": { "name": "redis" },
+        "spec": { "replicas": 1, "serviceName": "redis", "selector": { "matchLabels": { "app": "redis" } },
+                  "template": { "metadata": { "labels": { "app": "redis" } },
+                                "spec": { "tolerations": [{ "operator": "Exists" }],
+                                          "containers": [{ "name": "redis", "image": "registry.invalid/redis:7" }] } } },
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::apps::v1::StatefulSet>::namespaced(client.clone(), &ns.name)
+        .create(&kube::api::PostParams::default(), &sts)
+        .await
+        .unwrap();
+    let old = wait_running(&client, &ns.name, "redis-0").await;
+    let old_ip = pod_ips(&old)[0];
+    let old_uid = old.metadata.uid.clone().unwrap();
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
+    assert!(record(&client, old_ip).await.is_some());
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let new_ip = eventually("redis-0 recreated with an IP", Duration::from_secs(60), || {
+        let pods = pods.clone();
+        let old_uid = old_uid.clone();
+        async move {
+            let p = pods.get_opt("redis-0").await.ok()??;
+            if p.metadata.uid.as_deref() == Some(old_uid.as_str()) {
+                return None;
+            }
+            let ips = pod_ips(&p);
+            // The stand-in moves a Pod off a reserved address as soon as it sees it.
+            ips.first().copied().filter(|ip| *ip != old_ip)
+        }
+    })
+    .await;
+    assert_ne!(new_ip, old_ip, "the recreated Pod got a new IP; the old one stays held");
+    assert!(record(&client, old_ip).await.is_some());
+    ipam.abort();
+}

@@ -5,17 +5,14 @@ use std::time::Duration;
 
 /// Time kept back from the API server's deadline for the answer to travel.
 const MARGIN: Duration = Duration::from_millis(500);
-/// The least budget capo works with, even under a very short deadline.
-const FLOOR: Duration = Duration::from_millis(200);
 
 /// The time capo may spend writing a hold, given the `timeout` query parameter (a Go
 /// duration such as `10s`) and capo's own ceiling.
 pub fn budget(timeout_param: Option<&str>, ceiling: Duration) -> Duration {
     let server = timeout_param.and_then(|t| t.parse::<capo_api::Duration>().ok()).map(|d| d.as_std());
     let limit = server.map_or(ceiling, |s| s.min(ceiling));
-    // Keep the margin, or a quarter of a short deadline.
-    let margin = MARGIN.min(limit / 4);
-    limit.saturating_sub(margin).max(FLOOR.min(limit))
+    // Keep the margin, or a quarter of a short deadline: always some time to answer.
+    limit.saturating_sub(MARGIN.min(limit / 4))
 }
 
 #[cfg(test)]
@@ -30,6 +27,8 @@ mod tests {
         assert_eq!(budget(None, ceiling), Duration::from_millis(9500));
         assert_eq!(budget(Some("1s"), ceiling), Duration::from_millis(750));
         assert_eq!(budget(Some("garbage"), ceiling), Duration::from_millis(9500));
-        assert!(budget(Some("100ms"), ceiling) <= Duration::from_millis(100));
+        // A short deadline still leaves a quarter of it for the answer.
+        assert_eq!(budget(Some("100ms"), ceiling), Duration::from_millis(75));
+        assert_eq!(budget(Some("1ms"), ceiling), Duration::from_micros(750));
     }
 }

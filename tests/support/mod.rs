@@ -57,6 +57,33 @@ pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) {
         }
     })
     .await;
+    // Established is not the end of it: right after a CRD is created the API server may
+    // still answer watches with 429 "storage is (re)initializing", which would send a
+    // capo started now into a watch backoff. Wait until a watch starts cleanly.
+    let crd = api.get(&name).await.expect("read CRD");
+    let version = crd.spec.versions.iter().find(|v| v.storage).map(|v| v.name.clone()).unwrap_or_default();
+    let ar = kube::api::ApiResource {
+        group: crd.spec.group.clone(),
+        version: version.clone(),
+        api_version: format!("{}/{version}", crd.spec.group),
+        kind: crd.spec.names.kind.clone(),
+        plural: crd.spec.names.plural.clone(),
+    };
+    let objects = Api::<DynamicObject>::all_with(client.clone(), &ar);
+    eventually(&format!("watches of {name} to start"), Duration::from_secs(30), || {
+        let objects = objects.clone();
+        async move {
+            use futures::StreamExt;
+            let wp = kube::api::WatchParams::default().timeout(1);
+            let mut stream = objects.watch(&wp, "0").await.ok()?.boxed();
+            match tokio::time::timeout(Duration::from_millis(1500), stream.next()).await {
+                Ok(Some(Err(_))) => None,
+                Ok(Some(Ok(kube::api::WatchEvent::Error(_)))) => None,
+                _ => Some(()),
+            }
+        }
+    })
+    .await;
 }
 
 pub async fn install_capo_crds(client: &Client) {
