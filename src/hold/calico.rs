@@ -149,6 +149,10 @@ impl Reservations {
     async fn write_batches(self, name: String) {
         // Let the entries of a burst that arrive together go out together.
         tokio::task::yield_now().await;
+        #[cfg(test)]
+        if tests::PANIC_NEXT_WRITER.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            panic!("a writer dies (test)");
+        }
         loop {
             let (policy, batch) = {
                 let mut q = self.queue.lock().expect("reservation queue lock");
@@ -273,5 +277,34 @@ impl Reservations {
             Err(KubeError::Api(s)) if s.code == 409 || s.code == 422 => Ok(BTreeSet::new()), // changed meanwhile; retry
             Err(e) => Err(self.classify(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+
+    /// Makes the next writer task panic before it writes.
+    pub(super) static PANIC_NEXT_WRITER: AtomicBool = AtomicBool::new(false);
+
+    /// A writer that dies fails its waiters at once, and the next entry gets a new writer
+    /// instead of queueing behind the dead one until its deadline.
+    #[tokio::test]
+    async fn a_dead_writer_does_not_block_later_holds() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        config.connect_timeout = Some(Duration::from_millis(200));
+        let reservations = Reservations::new(Client::try_from(config).unwrap(), CalicoApiGroup::CrdV1);
+        PANIC_NEXT_WRITER.store(true, std::sync::atomic::Ordering::SeqCst);
+        let started = Instant::now();
+        let first = reservations.add("capo-p", "p", "10.0.0.1/32").await;
+        assert!(matches!(first, Err(CalicoError::WriterGone)), "{first:?}");
+        // The next one is written by a new writer: here it fails fast (nothing listens on
+        // the port), instead of hanging.
+        let second = tokio::time::timeout(Duration::from_secs(5), reservations.add("capo-p", "p", "10.0.0.2/32")).await;
+        assert!(matches!(second, Ok(Err(CalicoError::Api(_)))), "{second:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 }
