@@ -11,21 +11,9 @@ use kube::api::{Api, EvictParams};
 use serde_json::json;
 use support::*;
 
-async fn setup(prefix: &str) -> (Client, TestNamespace) {
-    let client = client().await;
-    install_capo_crds(&client).await;
-    install_calico_crds(&client).await;
-    let ns = TestNamespace::create(&client, prefix).await;
-    (client, ns)
-}
-
+/// A metric of `app`; 0 when it has not been counted yet.
 fn metric(app: &capo::App, needle: &str) -> f64 {
-    app.metrics
-        .render()
-        .lines()
-        .find(|l| l.starts_with(needle))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+    metric_value(app, needle).unwrap_or(0.0)
 }
 
 /// `kubectl drain --dry-run=server`: the Eviction's body carries `deleteOptions.dryRun`,
@@ -328,15 +316,6 @@ async fn match_conditions_agree_with_the_pods_own_rule() {
     }
 }
 
-fn kubectl(args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new("kubectl")
-        .args(args)
-        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
-        .output()
-        .expect("kubectl");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
-}
-
 /// A namespace labelled `capo.io/failure-policy=Fail` gets no deletion without a hold,
 /// even while capo is down; both recovery commands in the README unlock it.
 #[tokio::test]
@@ -357,14 +336,14 @@ async fn the_fail_webhook_locks_a_namespace_while_capo_is_down_and_the_readme_co
     let err = delete_pod(&client, &ns.name, "a").await.expect_err("no deletion without a hold");
     assert!(err.to_string().contains("hold-required.capo.io"), "{err}");
     // Recovery 1 (README): back to Ignore for that namespace.
-    let (ok, out) = kubectl(&["label", "namespace", &ns.name, "capo.io/failure-policy-"]);
+    let (ok, out) = kubectl(&["label", "namespace", &ns.name, "capo.io/failure-policy-"], None).await;
     assert!(ok, "{out}");
     eventually("the namespace unlocked", Duration::from_secs(20), || async {
         delete_pod(&client, &ns.name, "a").await.ok()
     })
     .await;
     // Recovery 2 (README): remove the webhook altogether.
-    let (ok, out) = kubectl(&["label", "namespace", &ns.name, "capo.io/failure-policy=Fail"]);
+    let (ok, out) = kubectl(&["label", "namespace", &ns.name, "capo.io/failure-policy=Fail"], None).await;
     assert!(ok, "{out}");
     eventually("the namespace locked again", Duration::from_secs(20), || async {
         let r = Api::<Pod>::namespaced(client.clone(), &ns.name)
@@ -373,7 +352,7 @@ async fn the_fail_webhook_locks_a_namespace_while_capo_is_down_and_the_readme_co
         r.is_err().then_some(())
     })
     .await;
-    let (ok, out) = kubectl(&["delete", "validatingwebhookconfiguration", &webhook]);
+    let (ok, out) = kubectl(&["delete", "validatingwebhookconfiguration", &webhook], None).await;
     assert!(ok, "{out}");
     eventually("deletions allowed without the webhook", Duration::from_secs(20), || async {
         delete_pod(&client, &ns.name, "b").await.ok()

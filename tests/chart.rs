@@ -149,19 +149,8 @@ async fn the_chart_passes_a_server_side_dry_run_with_default_values_and_every_op
         kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&Default::default(), &ns).await;
     for args in [vec!["--include-crds"], [&["--include-crds"][..], EVERY_OPTION].concat()] {
         let rendered = template(&args);
-        let mut apply = std::process::Command::new("kubectl")
-            .args(["apply", "--server-side", "--dry-run=server", "-f", "-"])
-            .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        apply.stdin.take().unwrap().write_all(rendered.as_bytes()).unwrap();
-        let out = apply.wait_with_output().unwrap();
-        let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{args:?}: {said}");
+        let (ok, said) = kubectl(&["apply", "--server-side", "--dry-run=server", "-f", "-"], Some(&rendered)).await;
+        assert!(ok, "{args:?}: {said}");
     }
 }
 

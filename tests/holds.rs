@@ -15,18 +15,6 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::*;
 
-async fn setup(prefix: &str) -> (Client, TestNamespace) {
-    let client = client().await;
-    install_capo_crds(&client).await;
-    install_calico_crds(&client).await;
-    let ns = TestNamespace::create(&client, prefix).await;
-    (client, ns)
-}
-
-fn cidr(ip: IpAddr) -> String {
-    capo_api::reserved_ip::single_ip_cidr(ip)
-}
-
 /// Asserts the IPs are held right now: in the reservation and recorded.
 async fn assert_held(
     client: &Client,

@@ -6,7 +6,6 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -14,29 +13,9 @@ use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use support::*;
-use tokio::io::AsyncWriteExt;
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
-
-/// Runs kubectl against the test control plane, with `stdin` if given.
-async fn kubectl(args: &[&str], stdin: Option<&str>) -> (bool, String) {
-    let mut child = tokio::process::Command::new("kubectl")
-        .args(args)
-        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    let mut input = child.stdin.take().unwrap();
-    if let Some(s) = stdin {
-        input.write_all(s.as_bytes()).await.unwrap();
-    }
-    drop(input);
-    let out = child.wait_with_output().await.unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 /// Minimal stand-ins for cert-manager's, the Prometheus operator's and Argo CD's CRDs, so

@@ -49,13 +49,9 @@ async fn settled(app: &capo::App, needle: &str) -> f64 {
     .await
 }
 
+/// A metric of `app`; 0 when it has not been counted yet.
 fn metric(app: &capo::App, needle: &str) -> f64 {
-    app.metrics
-        .render()
-        .lines()
-        .find(|l| l.starts_with(needle))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+    metric_value(app, needle).unwrap_or(0.0)
 }
 
 #[tokio::test]

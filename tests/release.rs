@@ -20,18 +20,6 @@ use support::*;
 
 const V1: CalicoApiGroup = CalicoApiGroup::CrdV1;
 
-async fn setup(prefix: &str) -> (Client, TestNamespace) {
-    let client = client().await;
-    install_capo_crds(&client).await;
-    install_calico_crds(&client).await;
-    let ns = TestNamespace::create(&client, prefix).await;
-    (client, ns)
-}
-
-fn cidr(ip: IpAddr) -> String {
-    capo_api::reserved_ip::single_ip_cidr(ip)
-}
-
 /// Leader settings for a test: its own Lease in its namespace, short timings, and only
 /// its own policies (`<namespace>-…`).
 fn release_settings(ns: &str, identity: &str, kept_grace: Duration) -> ReleaseSettings {
@@ -107,10 +95,6 @@ async fn entries(client: &Client, policy: &str) -> Vec<String> {
     reservation(client, V1, &format!("capo-{policy}")).await.unwrap_or_default()
 }
 
-fn metric(app: &capo::App, needle: &str) -> Option<f64> {
-    app.metrics.render().lines().find(|l| l.starts_with(needle)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
 /// Polls until the record of `ip` is gone; returns when that was first seen.
 async fn wait_released(client: &Client, ip: IpAddr, limit: Duration) -> Timestamp {
     eventually(
@@ -182,9 +166,9 @@ async fn a_short_ttl_is_released_on_time_and_never_before_the_pod_is_gone() {
     assert!(late >= -0.05, "released {late:.3}s before its releaseAt");
     assert!(late <= 1.2, "released {late:.3}s after its releaseAt");
     assert!(!entries(&client, &policy).await.contains(&cidr(ip)), "the entry left the Calico reservation");
-    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}")), Some(1.0));
-    assert_eq!(metric(&capo, &format!("capo_release_lateness_seconds_count{{policy=\"{policy}\"}}")), Some(1.0));
-    assert_eq!(metric(&capo, "capo_leader"), Some(1.0));
+    assert_eq!(metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}")), Some(1.0));
+    assert_eq!(metric_value(&capo, &format!("capo_release_lateness_seconds_count{{policy=\"{policy}\"}}")), Some(1.0));
+    assert_eq!(metric_value(&capo, "capo_leader"), Some(1.0));
 }
 
 #[tokio::test]
@@ -235,13 +219,13 @@ async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() 
     let mut want: Vec<String> = ips[3..].iter().map(|&ip| cidr(ip)).collect();
     want.sort();
     assert_eq!(left, want);
-    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}")), Some(3.0));
+    assert_eq!(metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}")), Some(3.0));
     let note = wait_event(&client, "default", &policy, "CapReached").await;
     assert!(note.contains("maxReserved=2"), "{note}");
     let note = wait_event(&client, &ns.name, "redis-4", "IPHeld").await;
     assert!(note.contains(&ips[4].to_string()), "{note}");
-    assert_eq!(metric(&capo, &format!("capo_held_ips{{policy=\"{policy}\"}}")), Some(2.0));
-    assert_eq!(metric(&capo, &format!("capo_max_reserved{{policy=\"{policy}\"}}")), Some(2.0));
+    assert_eq!(metric_value(&capo, &format!("capo_held_ips{{policy=\"{policy}\"}}")), Some(2.0));
+    assert_eq!(metric_value(&capo, &format!("capo_max_reserved{{policy=\"{policy}\"}}")), Some(2.0));
 }
 
 #[tokio::test]
@@ -263,7 +247,7 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
         .unwrap();
     let holder = lease.spec.unwrap().holder_identity.unwrap();
     assert!(holder == "a" || holder == "b");
-    assert_eq!(metric(&follower, "capo_leader"), Some(0.0));
+    assert_eq!(metric_value(&follower, "capo_leader"), Some(0.0));
     // The leader shuts down: it gives the Lease up and the other takes over.
     let handed_over = Instant::now();
     leader.shutdown().await;
@@ -275,7 +259,7 @@ async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     .await;
     eprintln!("takeover after a graceful shutdown: {:?}", handed_over.elapsed());
     eventually("capo_leader 1 on the new leader", Duration::from_secs(5), || async {
-        (metric(&follower, "capo_leader") == Some(1.0)).then_some(())
+        (metric_value(&follower, "capo_leader") == Some(1.0)).then_some(())
     })
     .await;
 }
@@ -345,9 +329,9 @@ async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage()
     })
     .await;
     assert!(record(&client, held).await.is_some(), "the real hold kept its record");
-    assert_eq!(metric(&capo, "capo_repairs_total{action=\"garbage_removed\"}"), Some(2.0));
-    assert_eq!(metric(&capo, "capo_repairs_total{action=\"adopted\"}"), Some(1.0));
-    assert!(metric(&capo, "capo_repairs_total{action=\"written_back\"}").unwrap_or(0.0) >= 1.0);
+    assert_eq!(metric_value(&capo, "capo_repairs_total{action=\"garbage_removed\"}"), Some(2.0));
+    assert_eq!(metric_value(&capo, "capo_repairs_total{action=\"adopted\"}"), Some(1.0));
+    assert!(metric_value(&capo, "capo_repairs_total{action=\"written_back\"}").unwrap_or(0.0) >= 1.0);
 }
 
 #[tokio::test]
@@ -370,7 +354,7 @@ async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
         eventually("the safety net to hold", Duration::from_secs(20), || async move { record(c, ip).await }).await;
     assert_eq!(rec.spec.trigger, HoldTrigger::SafetyNet);
     assert!(entries(&client, &policy).await.contains(&cidr(ip)));
-    assert_eq!(metric(&capo, &format!("capo_safety_net_holds_total{{policy=\"{policy}\"}}")), Some(1.0));
+    assert_eq!(metric_value(&capo, &format!("capo_safety_net_holds_total{{policy=\"{policy}\"}}")), Some(1.0));
     // Its clock runs from the terminal phase: status.podGoneAt is set although the Pod exists.
     let rec = wait_status(&client, ip).await;
     assert!(rec.status.unwrap().pod_gone_at.is_some());
@@ -384,7 +368,8 @@ async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
         .await
         .unwrap();
     eventually("the lost race counted", Duration::from_secs(20), || async {
-        (metric(&capo, &format!("capo_safety_net_lost_races_total{{policy=\"{policy}\"}}")) == Some(1.0)).then_some(())
+        (metric_value(&capo, &format!("capo_safety_net_lost_races_total{{policy=\"{policy}\"}}")) == Some(1.0))
+            .then_some(())
     })
     .await;
     assert!(record(&client, shared_ip).await.is_none(), "someone else's address was not reserved");
@@ -414,7 +399,10 @@ async fn a_pdb_refused_eviction_does_not_leave_a_hold_forever() {
     wait_released(&client, ip, Duration::from_secs(20)).await;
     assert!(!entries(&client, &policy).await.contains(&cidr(ip)));
     assert!(pods.get("zk-0").await.is_ok(), "the Pod still runs");
-    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"pod-kept\"}}")), Some(1.0));
+    assert_eq!(
+        metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"pod-kept\"}}")),
+        Some(1.0)
+    );
 }
 
 #[tokio::test]
@@ -478,7 +466,7 @@ async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says
         .unwrap();
     wait_released(&client, by_sts, Duration::from_secs(20)).await;
     assert_eq!(
-        metric(&capo, &format!("capo_releases_total{{policy=\"{early}\",reason=\"workload-gone\"}}")),
+        metric_value(&capo, &format!("capo_releases_total{{policy=\"{early}\",reason=\"workload-gone\"}}")),
         Some(1.0)
     );
     assert!(record(&client, loose).await.is_some(), "no workload gone for this one yet");
@@ -486,7 +474,7 @@ async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says
     delete_namespace_and_wait(&client, &ns.name).await;
     wait_released(&client, loose, Duration::from_secs(20)).await;
     assert_eq!(
-        metric(&capo, &format!("capo_releases_total{{policy=\"{early}\",reason=\"workload-gone\"}}")),
+        metric_value(&capo, &format!("capo_releases_total{{policy=\"{early}\",reason=\"workload-gone\"}}")),
         Some(2.0)
     );
     let still = record(&client, kafka).await.expect("the other policy keeps its hold when the namespace goes");
@@ -564,7 +552,10 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     assert!(out.contains(&format!("{a} released")), "{out}");
     assert!(record(&client, a).await.is_none());
     assert!(!entries(&client, &policy).await.contains(&cidr(a)));
-    assert_eq!(metric(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"manual\"}}")), Some(1.0));
+    assert_eq!(
+        metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"manual\"}}")),
+        Some(1.0)
+    );
 
     let (code, _, err) = capo_cli(&["release", "192.0.2.250"]).await;
     assert_eq!(code, 3, "unknown IP: {err}");
@@ -610,19 +601,8 @@ async fn migrate_prints_policies_the_api_server_accepts() {
     let (code, out, err) = capo_cli(&["migrate", "-f", config.to_str().unwrap()]).await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(out.matches("kind: CapoPolicy").count(), 2, "{out}");
-    let mut apply = tokio::process::Command::new("kubectl")
-        .args(["apply", "--dry-run=server", "-f", "-"])
-        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use tokio::io::AsyncWriteExt;
-    apply.stdin.take().unwrap().write_all(out.as_bytes()).await.unwrap();
-    let result = apply.wait_with_output().await.unwrap();
-    let said = String::from_utf8_lossy(&result.stdout).to_string() + &String::from_utf8_lossy(&result.stderr);
-    assert!(result.status.success(), "{said}");
+    let (ok, said) = kubectl(&["apply", "--dry-run=server", "-f", "-"], Some(&out)).await;
+    assert!(ok, "{said}");
     assert_eq!(said.matches("created (server dry run)").count(), 2, "{said}");
     let (code, _, err) = capo_cli(&["migrate", "-f", "/nonexistent/capo_config.yaml"]).await;
     assert_eq!(code, 1, "{err}");

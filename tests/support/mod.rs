@@ -26,6 +26,46 @@ pub async fn client() -> Client {
     capo_testenv::shared().client().await
 }
 
+/// The usual start of a test: capo's and Calico's CRDs, and a namespace of its own.
+pub async fn setup(prefix: &str) -> (Client, TestNamespace) {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    let ns = TestNamespace::create(&client, prefix).await;
+    (client, ns)
+}
+
+/// The value of the first metric line of `app` that starts with `needle` (name and
+/// labels), if there is one.
+pub fn metric_value(app: &capo::App, needle: &str) -> Option<f64> {
+    app.metrics.render().lines().find(|l| l.starts_with(needle)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Runs kubectl against the test control plane (with `stdin` if given); returns whether
+/// it succeeded and what it printed.
+pub async fn kubectl(args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl");
+    let mut input = child.stdin.take().expect("stdin");
+    if let Some(s) = stdin {
+        input.write_all(s.as_bytes()).await.expect("write to kubectl");
+    }
+    drop(input);
+    let out = child.wait_with_output().await.expect("kubectl");
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+pub fn cidr(ip: IpAddr) -> String {
+    capo_api::reserved_ip::single_ip_cidr(ip)
+}
+
 /// Polls `f` until it yields `Some`, failing the test with `what` after `limit`.
 pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
 where
