@@ -88,3 +88,28 @@ async fn under_faults_nothing_is_allowed_unheld_answers_come_in_time_and_holds_r
     assert!(record(&admin, ip).await.is_some());
     drop(capo);
 }
+
+/// Calico API discovery that fails for a moment is asked again rather than read as "not
+/// served". Here only projectcalico.org/v3 is served (the proxy answers 404 for the v1
+/// group) and v3's discovery first fails with a 500: capo must still choose v3.
+#[tokio::test]
+async fn a_transient_discovery_error_does_not_pick_the_wrong_calico_api() {
+    let admin = client().await;
+    install_capo_crds(&admin).await;
+    install_calico_crds(&admin).await;
+    let ns = TestNamespace::create(&admin, "faults-discovery").await;
+    let proxy = FaultProxy::start(admin.clone()).await;
+    let v1_absent = Rule::new(Method::GET, "/apis/crd.projectcalico.org/v1", Fault::Status(404, None));
+    let v3_failing = Rule::new(Method::GET, "/apis/projectcalico.org/v3", Fault::Status(500, None));
+    proxy.set(vec![v1_absent.clone(), v3_failing]);
+    let settings = capo_settings(&format!("capo-test-{}", ns.name), &[&ns.name], None);
+    let client = proxy.client();
+    let starting = tokio::spawn(async move { capo::App::start(client, settings).await });
+    eventually("v3 discovery to be asked and fail", Duration::from_secs(10), || async {
+        (proxy.injected() >= 2).then_some(())
+    })
+    .await;
+    proxy.set(vec![v1_absent]);
+    let capo = starting.await.unwrap().expect("capo starts once discovery answers");
+    assert_eq!(capo.calico_api, capo_api::CalicoApiGroup::V3, "only v3 is served: capo must not fall back to v1");
+}
