@@ -75,14 +75,18 @@ async fn every_manifest_passes_a_server_side_dry_run() {
     assert!(!deploy.contains("caBundle"), "no caBundle in the manifests: it is injected in the cluster");
 }
 
-/// The RBAC objects of `deploy/capo.yaml`, applied for real.
+/// The RBAC objects of `deploy/capo.yaml`, applied for real (once at a time: two tests
+/// need them).
 async fn apply_rbac() {
+    static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _one = ONE.lock().await;
     let deploy = std::fs::read_to_string(repo("deploy/capo.yaml")).unwrap();
     let rbac: Vec<&str> = deploy
         .split("\n---\n")
         .filter(|doc| ["kind: ServiceAccount", "kind: ClusterRole", "kind: Role"].iter().any(|k| doc.contains(k)))
         .collect();
-    let (ok, out) = kubectl(&["apply", "-f", "-"], Some(&rbac.join("\n---\n"))).await;
+    let (ok, out) =
+        kubectl(&["apply", "--server-side", "--force-conflicts", "-f", "-"], Some(&rbac.join("\n---\n"))).await;
     assert!(ok, "{out}");
 }
 
