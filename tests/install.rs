@@ -200,3 +200,49 @@ async fn capo_with_exactly_its_rbac_holds_and_releases() {
         .sum();
     assert_eq!(failures, 0.0, "no write was forbidden");
 }
+
+/// Argo CD compares what is in git with what is live: after capo has run (it writes
+/// CapoPolicy status) and cert-manager has injected the webhook's caBundle, a server-side
+/// diff of the manifests must be empty.
+#[tokio::test]
+async fn after_capo_has_run_a_server_side_diff_of_the_manifests_is_empty() {
+    let admin = setup().await;
+    let ns = TestNamespace::create(&admin, "install-diff").await;
+    let deploy = repo("deploy/capo.yaml");
+    let (ok, out) = kubectl(&["apply", "--server-side", "-f", deploy.to_str().unwrap()], None).await;
+    assert!(ok, "{out}");
+    // What cert-manager's CA injector does: it owns the caBundle, not the manifests.
+    let patch = json!({ "webhooks": [
+        { "name": "hold.capo.io", "clientConfig": { "caBundle": "Y2EK" } },
+        { "name": "hold-required.capo.io", "clientConfig": { "caBundle": "Y2EK" } },
+    ]});
+    let (ok, out) = kubectl(
+        &[
+            "patch",
+            "validatingwebhookconfiguration",
+            "capo",
+            "--type=strategic",
+            "--field-manager=cainjector",
+            "-p",
+            &patch.to_string(),
+        ],
+        None,
+    )
+    .await;
+    assert!(ok, "{out}");
+    // A policy from git, and a capo that loads it and writes its status.
+    let policy = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+        "metadata": { "name": format!("{}-p", ns.name) },
+        "spec": { "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } } } });
+    let file = std::env::temp_dir().join(format!("{}-policy.json", ns.name));
+    std::fs::write(&file, policy.to_string()).unwrap();
+    let (ok, out) = kubectl(&["apply", "--server-side", "-f", file.to_str().unwrap()], None).await;
+    assert!(ok, "{out}");
+    let _capo = start_capo(&admin, &[&ns.name], None).await;
+    wait_policy_ready(&admin, &format!("{}-p", ns.name), Some(1), "True").await;
+    for path in [deploy.clone(), file.clone()] {
+        let (ok, out) = kubectl(&["diff", "--server-side", "-f", path.to_str().unwrap()], None).await;
+        assert!(ok && out.trim().is_empty(), "{}: kubectl diff shows drift:\n{out}", path.display());
+    }
+    let _ = std::fs::remove_file(&file);
+}
