@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Builds the test control plane (etcd, kube-apiserver, kube-controller-manager,
-# kwok) from the Go module proxy into a cache keyed by the pinned versions.
-# A second run with unchanged pins does nothing.
+# kube-scheduler, kwok) from the Go module proxy into a cache keyed by the pinned
+# versions. A second run with unchanged pins does nothing.
+#
+# CAPO_K8S picks the Kubernetes minor version: unset for the default (hack/controlplane,
+# 1.35), or e.g. 1.30 for hack/controlplane-v1.30 (the oldest version capo supports; see
+# `make test-compat`). kwok is the same for every version.
 #
 # Output: prints the bin directory on the last line of stdout.
 set -euo pipefail
@@ -9,14 +13,20 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${CAPO_TESTENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/capo/testenv}"
 
-k8s_version="$(grep -Eo 'k8s\.io/kubernetes v[0-9][^ ]*' "$here/controlplane/go.mod" | head -n1 | cut -d' ' -f2)"
-etcd_version="$(grep -Eo 'go\.etcd\.io/etcd/server/v3 v[0-9][^ ]*' "$here/controlplane/go.mod" | head -n1 | cut -d' ' -f2)"
+module="$here/controlplane${CAPO_K8S:+-v$CAPO_K8S}"
+if [[ ! -f "$module/go.mod" ]]; then
+  echo "[build-controlplane] no module for Kubernetes ${CAPO_K8S}: $module/go.mod is missing" >&2
+  echo "[build-controlplane] available: $(cd "$here" && ls -d controlplane* | sed 's/^controlplane-v//; s/^controlplane$/default/' | paste -sd' ')" >&2
+  exit 2
+fi
+k8s_version="$(grep -Eo 'k8s\.io/kubernetes v[0-9][^ ]*' "$module/go.mod" | head -n1 | cut -d' ' -f2)"
+etcd_version="$(grep -Eo 'go\.etcd\.io/etcd/server/v3 v[0-9][^ ]*' "$module/go.mod" | head -n1 | cut -d' ' -f2)"
 kwok_version="$(grep -Eo 'sigs\.k8s\.io/kwok v[0-9][^ ]*' "$here/kwok/go.mod" | head -n1 | cut -d' ' -f2)"
 go_version="$(go env GOVERSION)"
 # Bump when the way the binaries are built changes (flags, extra files).
 recipe=2
 # The key covers the pins (go.sum included), the toolchain and the recipe.
-key="$(cat "$here/controlplane/go.mod" "$here/controlplane/go.sum" "$here/kwok/go.mod" "$here/kwok/go.sum" \
+key="$(cat "$module/go.mod" "$module/go.sum" "$here/kwok/go.mod" "$here/kwok/go.sum" \
         | { cat; echo "$go_version recipe=$recipe"; } | sha256sum | cut -c1-12)"
 bin="$cache_root/k8s-$k8s_version-etcd-$etcd_version-kwok-$kwok_version-$key/bin"
 
@@ -65,7 +75,7 @@ declare -A pkg=(
   [kwok]=sigs.k8s.io/kwok/cmd/kwok
 )
 
-cd "$here/controlplane"
+cd "$module"
 step etcd go build -trimpath -ldflags "-s -w"
 for c in kube-apiserver kube-controller-manager kube-scheduler; do
   step "$c" go build -trimpath -ldflags "$k8s_ldflags"

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use axum_server::Handle;
 use capo_api::CalicoApiGroup;
 use kube::Client;
 use tokio::task::JoinHandle;
@@ -15,13 +14,15 @@ use tracing::info;
 
 use crate::admission::{Admission, AdmissionSettings};
 use crate::cache::Caches;
-use crate::certs::{self, CertError};
+use crate::certs::managed::{Injected, ManagedError, ManagedSettings};
+use crate::certs::{self, CertError, ServingCert};
 use crate::health::{self, Readiness};
 use crate::hold::{HoldWriter, detect_calico_api};
 use crate::leader::{Election, Fence, LeaderError, LeaderSettings};
 use crate::metrics::Metrics;
 use crate::policy::{Matcher, PolicyController, SharedMatcher};
 use crate::release::{EngineSettings, ReleaseEngine};
+use crate::server::{ServerError, WebhookServer};
 use crate::webhook_config::{self, Registration};
 
 /// Where the webhook's serving certificate comes from.
@@ -31,6 +32,8 @@ pub enum TlsSource {
     Dir(PathBuf),
     /// Made at start for these hosts; the CA goes into the self-registered webhook.
     SelfSigned { hosts: Vec<String>, write_to: Option<PathBuf> },
+    /// Self-managed: capo makes and rotates its CA and serving certificate in a Secret.
+    Managed(ManagedSettings),
 }
 
 /// Self-registration of the webhook configuration (local runs and tests).
@@ -48,6 +51,8 @@ pub struct Settings {
     pub webhook_addr: SocketAddr,
     pub probe_addr: Option<SocketAddr>,
     pub tls: TlsSource,
+    /// Write the CA bundle into this ValidatingWebhookConfiguration and keep it there.
+    pub inject_ca_bundle: Option<String>,
     pub self_register: Option<SelfRegister>,
     /// `None`: detect it the way Calico does.
     pub calico_api: Option<CalicoApiGroup>,
@@ -76,10 +81,14 @@ pub struct ReleaseSettings {
 pub enum AppError {
     #[error(transparent)]
     Cert(#[from] CertError),
+    #[error(transparent)]
+    ManagedCert(#[from] ManagedError),
+    #[error("no serving certificate in Secret {secret} after {after:?}: see the warnings above")]
+    NoCertificate { secret: String, after: Duration },
+    #[error(transparent)]
+    Server(#[from] ServerError),
     #[error("binding {what} on {addr}: {source}")]
     Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
-    #[error("the webhook server did not start listening on {0}")]
-    NotListening(SocketAddr),
     #[error("caches did not sync within {after:?} (still waiting for {missing})")]
     SyncTimeout { after: Duration, missing: String },
     #[error("a self-signed certificate needs a webhook URL host; use --webhook-url")]
@@ -99,7 +108,9 @@ pub struct App {
     pub matcher: SharedMatcher,
     client: Client,
     registered: Option<String>,
-    server: Handle<SocketAddr>,
+    server: Option<WebhookServer>,
+    /// The certificate the webhook serves (tests look at its handshakes).
+    pub serving: Arc<ServingCert>,
     tasks: Vec<JoinHandle<()>>,
     election: Option<Election>,
     /// Whether this replica may do leader-only work now (None: it never does).
@@ -147,26 +158,55 @@ impl App {
             tokio::spawn(caches.clone().watch_pods(client.clone(), readiness.clone())),
         ];
 
-        let (tls, ca_pem, cert_watcher) = match &settings.tls {
+        let serving = ServingCert::new(Some(metrics.tls.clone()));
+        let (trust, trusted) = tokio::sync::watch::channel(match settings.inject_ca_bundle {
+            Some(_) => Injected::Unknown,
+            None => Injected::NotInjecting,
+        });
+        if let Some(name) = &settings.inject_ca_bundle {
+            let metrics = Some(metrics.tls.clone());
+            tasks.push(tokio::spawn(certs::inject::run(
+                client.clone(),
+                name.clone(),
+                serving.bundle(),
+                trust,
+                metrics,
+            )));
+        }
+        let mut ca_pem = None;
+        let mut cert_watcher = None;
+        match &settings.tls {
             TlsSource::Dir(dir) => {
-                let config = certs::load(dir).await?;
-                let watcher = certs::watch(dir.clone(), config.clone())?;
-                (config, None, Some(watcher))
+                certs::files::load(dir, &serving)?;
+                cert_watcher = Some(certs::files::watch(dir.clone(), serving.clone())?);
             }
             TlsSource::SelfSigned { hosts, write_to } => {
                 let made = certs::self_signed(hosts)?;
                 if let Some(dir) = write_to {
                     made.write(dir)?;
                 }
-                let config = axum_server::tls_rustls::RustlsConfig::from_pem(
-                    made.cert_pem.clone().into_bytes(),
-                    made.key_pem.clone().into_bytes(),
-                )
-                .await
-                .map_err(|source| CertError::Load { dir: PathBuf::from("<generated>"), source })?;
-                (config, Some(made.ca_pem), None)
+                serving.set("the generated certificate", &made.cert_pem, &made.key_pem)?;
+                serving.set_bundle(Some(&made.ca_pem));
+                ca_pem = Some(made.ca_pem);
             }
-        };
+            TlsSource::Managed(managed) => {
+                let (first, outcome) = tokio::sync::oneshot::channel();
+                let metrics = Some(metrics.tls.clone());
+                let run =
+                    certs::managed::run(client.clone(), managed.clone(), serving.clone(), trusted, metrics, first);
+                tasks.push(tokio::spawn(run));
+                match tokio::time::timeout(settings.sync_timeout, outcome).await {
+                    Ok(Ok(Ok(()))) => {}
+                    Ok(Ok(Err(e))) => return Err(e.into()),
+                    _ => {
+                        return Err(AppError::NoCertificate {
+                            secret: format!("{}/{}", managed.namespace, managed.secret),
+                            after: settings.sync_timeout,
+                        });
+                    }
+                }
+            }
+        }
 
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
@@ -180,18 +220,9 @@ impl App {
                 max_review_time: settings.max_review_time,
             },
         });
-        let server = Handle::new();
         let router = crate::admission::router(admission);
-        // TCP_NODELAY on every accepted socket: without it Nagle's algorithm and the API
-        // server's delayed ACKs add ~40 ms to an answer written in more than one segment.
-        let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(tls).acceptor(axum_server::accept::NoDelayAcceptor);
-        let serving = axum_server::bind(settings.webhook_addr).acceptor(acceptor).handle(server.clone());
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = serving.serve(router.into_make_service()).await {
-                tracing::error!(error = %e, "the webhook server stopped");
-            }
-        }));
-        let webhook_addr = server.listening().await.ok_or(AppError::NotListening(settings.webhook_addr))?;
+        let server = WebhookServer::start(settings.webhook_addr, router, serving.clone()).await?;
+        let webhook_addr = server.addr;
         info!(addr = %webhook_addr, calico = %calico_api, "webhook serving");
 
         let probe_addr = match settings.probe_addr {
@@ -239,7 +270,9 @@ impl App {
         }
 
         let mut registered = None;
-        if let (Some(reg), Some(ca_pem)) = (&settings.self_register, ca_pem) {
+        if let Some(reg) = &settings.self_register {
+            // Without a CA of its own (self-managed or mounted certificates) the
+            // configuration is written without caBundle, and the injector fills it in.
             let registration = Registration {
                 name: reg.name.clone(),
                 url: reg.url.clone().unwrap_or_else(|| format!("https://{webhook_addr}")),
@@ -263,7 +296,8 @@ impl App {
             matcher,
             client,
             registered,
-            server,
+            server: Some(server),
+            serving,
             tasks,
             election,
             fence,
@@ -286,7 +320,9 @@ impl App {
         {
             tracing::warn!(name, error = %e, "could not remove the webhook configuration");
         }
-        self.server.graceful_shutdown(Some(Duration::from_secs(5)));
+        if let Some(server) = self.server.take() {
+            server.shutdown(Duration::from_secs(5)).await;
+        }
     }
 }
 
@@ -308,7 +344,7 @@ async fn lead(engine: Arc<ReleaseEngine>, mut fence: Fence, metrics: Arc<Metrics
 
 impl Drop for App {
     fn drop(&mut self) {
-        self.server.shutdown();
+        drop(self.server.take());
         for t in &self.tasks {
             t.abort();
         }

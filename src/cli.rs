@@ -8,6 +8,7 @@ use capo_api::CalicoApiGroup;
 use clap::Parser;
 
 use crate::app::{ReleaseSettings, SelfRegister, Settings, TlsSource};
+use crate::certs::managed::ManagedSettings;
 use crate::leader::LeaderSettings;
 use crate::release::{EngineSettings, PlanSettings};
 
@@ -77,16 +78,45 @@ pub struct Args {
     #[arg(long, env = "CAPO_PROBE_ADDR", default_value = "0.0.0.0:8081")]
     pub probe_addr: SocketAddr,
 
-    /// Directory with tls.crt and tls.key (a mounted Secret); reloaded when it changes.
+    /// Directory with tls.crt and tls.key, and ca.crt when capo injects the CA bundle (a
+    /// mounted Secret, e.g. cert-manager's); reloaded when it changes. Not used with
+    /// --tls-secret.
     #[arg(long, env = "CAPO_TLS_DIR", default_value = "/tmp/k8s-webhook-server/serving-certs")]
     pub tls_dir: PathBuf,
+
+    /// Self-managed certificates: capo creates its CA and serving certificate in this
+    /// Secret of --namespace and rotates them before they expire (every replica serves
+    /// what the Secret holds).
+    #[arg(long, env = "CAPO_TLS_SECRET")]
+    pub tls_secret: Option<String>,
+
+    /// Host names and IPs of the self-managed serving certificate, comma-separated.
+    /// Default: capo.<namespace>.svc and capo.<namespace>.svc.cluster.local.
+    #[arg(long, env = "CAPO_TLS_HOSTS", value_delimiter = ',')]
+    pub tls_hosts: Vec<String>,
+
+    /// Lifetime of a self-managed serving certificate (renewed when two thirds have passed).
+    #[arg(long, env = "CAPO_TLS_CERT_VALIDITY", default_value = "2160h")]
+    pub tls_cert_validity: capo_api::Duration,
+
+    /// Lifetime of the self-managed CA (a next CA is trusted from two thirds of it and
+    /// signs from five sixths).
+    #[arg(long, env = "CAPO_TLS_CA_VALIDITY", default_value = "43800h")]
+    pub tls_ca_validity: capo_api::Duration,
+
+    /// Write the CA bundle (the Secret's, or ca.crt of --tls-dir) into the
+    /// ValidatingWebhookConfiguration --webhook-config-name and keep it there. Default:
+    /// on with --tls-secret, off otherwise.
+    #[arg(long, env = "CAPO_INJECT_CA_BUNDLE", action = clap::ArgAction::Set)]
+    pub inject_ca_bundle: Option<bool>,
 
     /// Local mode: make a CA and serving certificate, and register a
     /// ValidatingWebhookConfiguration pointing at this URL (e.g. https://127.0.0.1:9443).
     #[arg(long, env = "CAPO_SELF_REGISTER_URL")]
     pub self_register_url: Option<String>,
 
-    /// Name of the self-registered ValidatingWebhookConfiguration.
+    /// Name of capo's ValidatingWebhookConfiguration (the one the CA bundle is injected
+    /// into, or the one written with --self-register-url).
     #[arg(long, env = "CAPO_WEBHOOK_CONFIG_NAME", default_value = "capo")]
     pub webhook_config_name: String,
 
@@ -163,6 +193,10 @@ pub enum ArgsError {
     Url(String),
     #[error("--lease-duration must be longer than --lease-renew-grace, and the grace at least 1s")]
     LeaseTiming,
+    #[error("--tls-cert-validity and --tls-ca-validity must be at least 3s, and the CA's at least the certificate's")]
+    CertValidity,
+    #[error("--inject-ca-bundle with --self-register-url: capo registers its own CA already")]
+    InjectWithSelfRegister,
 }
 
 /// The host name and process id: unique among replicas when POD_NAME is not set.
@@ -183,6 +217,20 @@ impl Args {
         excluded.sort();
         excluded.dedup();
         let (tls, self_register) = match &self.self_register_url {
+            Some(url) if self.tls_secret.is_some() => {
+                // Local runs of the in-cluster setup: self-managed certificates for the
+                // URL's host, registered without caBundle; the injector fills it in.
+                let host = url_host(url).ok_or_else(|| ArgsError::Url(url.clone()))?;
+                (
+                    TlsSource::Managed(self.managed(vec![host])?),
+                    Some(SelfRegister {
+                        name: self.webhook_config_name.clone(),
+                        url: Some(url.clone()),
+                        only_namespaces: (!self.webhook_namespaces.is_empty()).then(|| self.webhook_namespaces.clone()),
+                        timeout_seconds: 5,
+                    }),
+                )
+            }
             Some(url) => {
                 let host = url_host(url).ok_or_else(|| ArgsError::Url(url.clone()))?;
                 (
@@ -195,12 +243,20 @@ impl Args {
                     }),
                 )
             }
-            None => (TlsSource::Dir(self.tls_dir.clone()), None),
+            None => match &self.tls_secret {
+                Some(_) => (TlsSource::Managed(self.managed(self.tls_hosts.clone())?), None),
+                None => (TlsSource::Dir(self.tls_dir.clone()), None),
+            },
         };
+        let inject = self.inject_ca_bundle.unwrap_or(self.tls_secret.is_some());
+        if inject && self.self_register_url.is_some() && self.tls_secret.is_none() {
+            return Err(ArgsError::InjectWithSelfRegister);
+        }
         Ok(Settings {
             webhook_addr: self.webhook_addr,
             probe_addr: Some(self.probe_addr),
             tls,
+            inject_ca_bundle: inject.then(|| self.webhook_config_name.clone()),
             self_register,
             calico_api,
             release: Some(self.release_settings(&excluded)?),
@@ -209,6 +265,26 @@ impl Args {
             field_manager: "capo".into(),
             sync_timeout: Duration::from_secs(120),
             watch_failure_grace: self.watch_failure_grace.as_std(),
+        })
+    }
+
+    /// Self-managed certificates for `hosts` (default: capo's Service).
+    fn managed(&self, hosts: Vec<String>) -> Result<ManagedSettings, ArgsError> {
+        let (cert, ca) = (self.tls_cert_validity.as_std(), self.tls_ca_validity.as_std());
+        if cert < Duration::from_secs(3) || ca < cert {
+            return Err(ArgsError::CertValidity);
+        }
+        let hosts = match hosts.is_empty() {
+            true => crate::certs::managed::service_hosts(&self.namespace),
+            false => hosts,
+        };
+        Ok(ManagedSettings {
+            secret: self.tls_secret.clone().unwrap_or_default(),
+            namespace: self.namespace.clone(),
+            hosts,
+            cert_validity: cert,
+            ca_validity: ca,
+            injecting: self.inject_ca_bundle.unwrap_or(true),
         })
     }
 
@@ -295,6 +371,44 @@ mod tests {
         assert_eq!((election.lease_name.as_str(), election.namespace.as_str()), ("capo", "ip-reserve"));
         let off = Cli::parse_from(["capo", "--leader-elect", "false"]).run.settings().unwrap();
         assert!(off.release.unwrap().election.is_none(), "no election: this replica leads");
+    }
+
+    #[test]
+    fn certificate_settings_from_flags() {
+        let files = Cli::parse_from(["capo", "--tls-dir", "/tls"]).run.settings().unwrap();
+        assert!(matches!(files.tls, TlsSource::Dir(ref d) if d == std::path::Path::new("/tls")));
+        assert_eq!(files.inject_ca_bundle, None, "files: no injection unless asked");
+        let files = Cli::parse_from(["capo", "--inject-ca-bundle", "true"]).run.settings().unwrap();
+        assert_eq!(files.inject_ca_bundle.as_deref(), Some("capo"));
+        let managed =
+            Cli::parse_from(["capo", "--tls-secret", "capo-webhook-tls", "--namespace", "ip-reserve"]).run.settings();
+        let managed = managed.unwrap();
+        let TlsSource::Managed(m) = &managed.tls else { panic!("{:?}", managed.tls) };
+        assert_eq!(m.hosts, vec!["capo.ip-reserve.svc".to_string(), "capo.ip-reserve.svc.cluster.local".to_string()]);
+        assert_eq!((m.secret.as_str(), m.namespace.as_str()), ("capo-webhook-tls", "ip-reserve"));
+        assert_eq!(m.cert_validity, Duration::from_secs(90 * 86400));
+        assert_eq!(m.ca_validity, Duration::from_secs(5 * 365 * 86400));
+        assert_eq!(managed.inject_ca_bundle.as_deref(), Some("capo"), "self-managed: injected by default");
+        let local = Cli::parse_from([
+            "capo",
+            "--tls-secret",
+            "t",
+            "--self-register-url",
+            "https://127.0.0.1:9443",
+            "--webhook-config-name",
+            "mine",
+        ])
+        .run
+        .settings()
+        .unwrap();
+        assert!(matches!(&local.tls, TlsSource::Managed(m) if m.hosts == ["127.0.0.1"]));
+        assert_eq!(local.inject_ca_bundle.as_deref(), Some("mine"));
+        let bad =
+            Cli::parse_from(["capo", "--tls-secret", "t", "--tls-cert-validity", "48h", "--tls-ca-validity", "24h"]);
+        assert!(matches!(bad.run.settings(), Err(ArgsError::CertValidity)));
+        let bad =
+            Cli::parse_from(["capo", "--self-register-url", "https://127.0.0.1:9443", "--inject-ca-bundle", "true"]);
+        assert!(matches!(bad.run.settings(), Err(ArgsError::InjectWithSelfRegister)));
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod ops;
 pub mod pod;
 pub mod policy;
 pub mod release;
+pub mod server;
 pub mod telemetry;
 pub mod webhook_config;
 

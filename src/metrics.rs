@@ -32,6 +32,73 @@ pub struct Metrics {
     pub namespace_cache_misses: IntCounterVec,
     /// The leader's release engine, repair and safety net.
     pub release: ReleaseMetrics,
+    /// The webhook's certificates and TLS handshakes.
+    pub tls: TlsMetrics,
+}
+
+/// The webhook's certificates: what is served, handshakes, rotations, the CA bundle.
+#[derive(Clone)]
+pub struct TlsMetrics {
+    /// TLS handshakes on the webhook port, by result (ok, failed). Failures mean a client
+    /// (normally the API server) does not trust the served certificate, or a probe that
+    /// does not speak TLS.
+    pub handshakes: IntCounterVec,
+    /// When the served certificate expires (seconds since the epoch).
+    pub certificate_expiry: prometheus::IntGauge,
+    /// When the CA of self-managed certificates expires (seconds since the epoch).
+    pub ca_expiry: prometheus::IntGauge,
+    /// Writes of the self-managed certificate Secret, by action (created,
+    /// certificate_renewed, ca_staged, ca_promoted, ...).
+    pub certificate_writes: IntCounterVec,
+    /// Self-managed certificates that could not be written or used, by reason.
+    pub certificate_errors: IntCounterVec,
+    /// caBundle writes into the webhook configuration, by result.
+    pub ca_injections: IntCounterVec,
+}
+
+impl TlsMetrics {
+    fn new(registry: &Registry) -> Self {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = prometheus::IntGauge::new(name, help).expect("static metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        Self {
+            handshakes: counter(
+                "webhook_tls_handshakes_total",
+                "TLS handshakes on the webhook port, by result.",
+                &["result"],
+            ),
+            certificate_expiry: gauge(
+                "webhook_certificate_expiry_timestamp_seconds",
+                "When the served certificate expires.",
+            ),
+            ca_expiry: gauge(
+                "webhook_ca_expiry_timestamp_seconds",
+                "When the CA of self-managed certificates expires.",
+            ),
+            certificate_writes: counter(
+                "certificate_writes_total",
+                "Writes of the self-managed certificate Secret, by action.",
+                &["action"],
+            ),
+            certificate_errors: counter(
+                "certificate_errors_total",
+                "Self-managed certificates that could not be written or used, by reason.",
+                &["reason"],
+            ),
+            ca_injections: counter(
+                "ca_bundle_injections_total",
+                "caBundle writes into the webhook configuration, by result.",
+                &["result"],
+            ),
+        }
+    }
 }
 
 /// What the leader does with held IPs.
@@ -151,8 +218,10 @@ impl Metrics {
                 .expect("static metric");
         registry.register(Box::new(policy_status_writes.clone())).expect("unique metric");
         let release = ReleaseMetrics::new(&registry);
+        let tls = TlsMetrics::new(&registry);
         Self {
             release,
+            tls,
             registry,
             admission_requests,
             admission_duration,

@@ -17,7 +17,8 @@ pub struct Registration {
     pub name: String,
     /// Base URL of the webhook server, e.g. `https://127.0.0.1:9443`.
     pub url: String,
-    pub ca_pem: String,
+    /// The caBundle; `None`: written without one (capo's injector fills it in).
+    pub ca_pem: Option<String>,
     pub excluded_namespaces: Vec<String>,
     /// Further restricts the namespaces (tests scope a capo to their own namespace).
     pub only_namespaces: Option<Vec<String>>,
@@ -34,8 +35,8 @@ oldObject.metadata.annotations['capo.io/hold'] == 'false'))";
 
 /// Where the API server reaches capo.
 enum Endpoint<'a> {
-    /// A URL with capo's own CA (local runs, tests).
-    Url { url: &'a str, ca_pem: &'a str },
+    /// A URL, with capo's own CA or none (local runs, tests).
+    Url { url: &'a str, ca_pem: Option<&'a str> },
     /// capo's Service in the cluster; the caBundle is injected later (cert-manager) and is
     /// deliberately absent here, so Argo CD sees no drift.
     Service { namespace: &'a str, name: &'a str },
@@ -51,10 +52,14 @@ fn configuration(
     timeout_seconds: i32,
 ) -> serde_json::Value {
     let client_config = match endpoint {
-        Endpoint::Url { url, ca_pem } => json!({
-            "url": format!("{}{}", url.trim_end_matches('/'), crate::admission::REVIEW_PATH),
-            "caBundle": base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes()),
-        }),
+        Endpoint::Url { url, ca_pem } => {
+            let mut config =
+                json!({ "url": format!("{}{}", url.trim_end_matches('/'), crate::admission::REVIEW_PATH) });
+            if let Some(pem) = ca_pem {
+                config["caBundle"] = json!(base64::engine::general_purpose::STANDARD.encode(pem.as_bytes()));
+            }
+            config
+        }
         Endpoint::Service { namespace, name } => json!({
             "service": { "namespace": namespace, "name": name, "path": crate::admission::REVIEW_PATH, "port": 443 },
         }),
@@ -95,7 +100,7 @@ fn configuration(
 }
 
 pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
-    let endpoint = Endpoint::Url { url: &reg.url, ca_pem: &reg.ca_pem };
+    let endpoint = Endpoint::Url { url: &reg.url, ca_pem: reg.ca_pem.as_deref() };
     let value = configuration(
         &reg.name,
         endpoint,

@@ -110,7 +110,7 @@ async fn api_server_calls_a_tls_webhook_on_pod_delete_and_eviction() {
     let reg = capo::webhook_config::Registration {
         name: format!("smoke-{}", ns.name),
         url: format!("https://{addr}"),
-        ca_pem: certs.ca_pem.clone(),
+        ca_pem: Some(certs.ca_pem.clone()),
         excluded_namespaces: vec!["kube-system".into()],
         only_namespaces: Some(vec![ns.name.clone()]),
         timeout_seconds: 5,

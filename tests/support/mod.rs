@@ -143,6 +143,7 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
         webhook_addr: "127.0.0.1:0".parse().unwrap(),
         probe_addr: Some("127.0.0.1:0".parse().unwrap()),
         tls: TlsSource::SelfSigned { hosts: vec!["127.0.0.1".into()], write_to: None },
+        inject_ca_bundle: None,
         self_register: Some(SelfRegister {
             name: webhook_name.to_string(),
             url: None,

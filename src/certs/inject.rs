@@ -1,0 +1,177 @@
+//! Writes the CA bundle capo serves under into `clientConfig.caBundle` of every webhook
+//! of capo's ValidatingWebhookConfiguration, and writes it back whenever someone else
+//! changes it (a re-created configuration, a `kubectl replace`). It applies only that
+//! field, server-side, as its own field manager, so Helm, kustomize and Argo CD never
+//! carry a caBundle and never see it as drift (Argo CD: `ignoreDifferences` on it).
+//!
+//! It also reports what the configuration trusts, so the CA rotation in [`super::managed`]
+//! waits until the next CA is trusted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use futures::StreamExt;
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::watcher;
+use serde_json::json;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::managed::Injected;
+use super::pki;
+use crate::metrics::TlsMetrics;
+
+/// The field manager of the caBundle.
+pub const FIELD_MANAGER: &str = "capo-ca-injector";
+
+/// What every webhook of `config` trusts: the certificates all their caBundles share.
+pub fn trusted(config: Option<&ValidatingWebhookConfiguration>) -> Injected {
+    let Some(config) = config else { return Injected::Unknown };
+    let webhooks = config.webhooks.as_deref().unwrap_or_default();
+    let mut common: Option<Vec<Vec<u8>>> = None;
+    for w in webhooks {
+        let pem = w.client_config.ca_bundle.as_ref().map(|b| String::from_utf8_lossy(&b.0).to_string());
+        let ders: Vec<Vec<u8>> = pem
+            .and_then(|p| pki::parse_bundle("caBundle", &p).ok())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| c.der)
+            .collect();
+        common = Some(match common {
+            None => ders,
+            Some(prev) => prev.into_iter().filter(|d| ders.contains(d)).collect(),
+        });
+    }
+    Injected::Bundle(common.unwrap_or_default())
+}
+
+/// The webhooks whose caBundle is not exactly `bundle`.
+fn stale<'a>(config: &'a ValidatingWebhookConfiguration, bundle: &str) -> Vec<&'a str> {
+    config
+        .webhooks
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .filter(|w| w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(bundle.as_bytes()))
+        .map(|w| w.name.as_str())
+        .collect()
+}
+
+/// Keeps the caBundle of configuration `name` equal to `bundle`; reports what it trusts
+/// on `trust`. Runs until the task is dropped.
+pub async fn run(
+    client: Client,
+    name: String,
+    mut bundle: watch::Receiver<Option<Arc<str>>>,
+    trust: watch::Sender<Injected>,
+    metrics: Option<TlsMetrics>,
+) {
+    let api = Api::<ValidatingWebhookConfiguration>::all(client);
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = watcher::watcher(api.clone(), config).boxed();
+    let mut seen: Option<ValidatingWebhookConfiguration> = None;
+    let mut synced = false;
+    let mut missing_logged = false;
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c))) => seen = Some(c),
+                Some(Ok(watcher::Event::Delete(_))) => seen = None,
+                Some(Ok(watcher::Event::Init)) => { seen = None; synced = false; continue }
+                Some(Ok(watcher::Event::InitDone)) => synced = true,
+                Some(Err(e)) => { warn!(webhook = %name, error = %e, "watching the webhook configuration failed; retrying"); continue }
+                None => return,
+            },
+            changed = bundle.changed() => if changed.is_err() { return },
+            _ = async { tokio::time::sleep_until(retry_at.expect("guarded")).await }, if retry_at.is_some() => retry_at = None,
+        }
+        if !synced {
+            continue;
+        }
+        trust.send_if_modified(|t| {
+            let new = trusted(seen.as_ref());
+            let changed = *t != new;
+            *t = new;
+            changed
+        });
+        let Some(config) = &seen else {
+            if !missing_logged {
+                info!(webhook = %name, "no ValidatingWebhookConfiguration to inject the CA bundle into yet");
+                missing_logged = true;
+            }
+            continue;
+        };
+        missing_logged = false;
+        let Some(want) = bundle.borrow_and_update().clone() else { continue };
+        let webhooks = stale(config, &want);
+        if webhooks.is_empty() {
+            continue;
+        }
+        let encoded = base64::engine::general_purpose::STANDARD.encode(want.as_bytes());
+        let patch = json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "metadata": { "name": name },
+            "webhooks": config.webhooks.as_deref().unwrap_or_default().iter()
+                .map(|w| json!({ "name": w.name, "clientConfig": { "caBundle": encoded } }))
+                .collect::<Vec<_>>(),
+        });
+        match api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await {
+            Ok(updated) => {
+                info!(webhook = %name, stale = ?webhooks, "injected the CA bundle");
+                if let Some(m) = &metrics {
+                    m.ca_injections.with_label_values(&["ok"]).inc();
+                }
+                seen = Some(updated);
+                trust.send_replace(trusted(seen.as_ref()));
+            }
+            Err(e) => {
+                warn!(webhook = %name, error = %e, "could not inject the CA bundle; retrying");
+                if let Some(m) = &metrics {
+                    m.ca_injections.with_label_values(&["failed"]).inc();
+                }
+                retry_at = Some(tokio::time::Instant::now() + Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(bundles: &[Option<&str>]) -> ValidatingWebhookConfiguration {
+        let webhooks: Vec<_> = bundles
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let mut client_config = json!({ "url": "https://127.0.0.1:9443/x" });
+                if let Some(b) = b {
+                    client_config["caBundle"] = json!(base64::engine::general_purpose::STANDARD.encode(b));
+                }
+                json!({ "name": format!("w{i}.capo.io"), "clientConfig": client_config, "sideEffects": "None",
+                        "admissionReviewVersions": ["v1"] })
+            })
+            .collect();
+        serde_json::from_value(json!({ "metadata": { "name": "capo" }, "webhooks": webhooks })).unwrap()
+    }
+
+    #[test]
+    fn what_every_webhook_trusts() {
+        let now = std::time::SystemTime::now();
+        let a = pki::new_ca(now, Duration::from_secs(60)).unwrap().cert_pem;
+        let b = pki::new_ca(now, Duration::from_secs(60)).unwrap().cert_pem;
+        let der = |pem: &str| pki::parse_one("x", pem).unwrap().der;
+        assert_eq!(trusted(None), Injected::Unknown);
+        let both = format!("{a}{b}");
+        assert_eq!(trusted(Some(&config(&[Some(&both), Some(&both)]))), Injected::Bundle(vec![der(&a), der(&b)]));
+        assert_eq!(trusted(Some(&config(&[Some(&both), Some(&a)]))), Injected::Bundle(vec![der(&a)]));
+        assert_eq!(trusted(Some(&config(&[Some(&both), None]))), Injected::Bundle(vec![]));
+        assert_eq!(stale(&config(&[Some(&both), Some(&a)]), &both), vec!["w1.capo.io"]);
+        assert!(stale(&config(&[Some(&both), Some(&both)]), &both).is_empty());
+    }
+}
