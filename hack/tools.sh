@@ -5,6 +5,7 @@
 #   lua5.1   runs Argo CD's health-check tests (tests/argocd.rs)
 #   promtool checks and tests the alerts (tests/prometheus.rs), from Debian's prometheus
 #   kubectl  applies and renders manifests (tests/install.rs, tests/admission.rs)
+#   CRDs     of Argo CD, cert-manager and the Prometheus operator (see below)
 # Debian packages via apt-get (root, or sudo when available).
 set -euo pipefail
 
@@ -17,6 +18,31 @@ if [[ ! -x "$helm_dir/helm" ]]; then
   mkdir -p "$helm_dir"
   (cd /tmp && CGO_ENABLED=0 GOFLAGS=-mod=mod GOBIN="$helm_dir" go install "helm.sh/helm/v3/cmd/helm@$helm_version")
 fi
+
+# Other projects' real CRDs, so the manifests that use them are checked against their
+# real schemas (tests/install.rs, tests/chart.rs): Argo CD's Application and AppProject,
+# cert-manager's Certificate and Issuer, the Prometheus operator's ServiceMonitor and
+# PrometheusRule. From the Go module proxy (checksum-verified), copied to
+# ~/.cache/capo/crds/<pins>.
+crd_pins=(
+  "github.com/argoproj/argo-cd/v3@v3.2.0 manifests/crds/application-crd.yaml manifests/crds/appproject-crd.yaml"
+  "github.com/cert-manager/cert-manager@v1.19.1 deploy/crds/cert-manager.io_certificates.yaml deploy/crds/cert-manager.io_issuers.yaml"
+  "github.com/prometheus-operator/prometheus-operator@v0.85.0 example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml"
+)
+crd_key="$(printf '%s\n' "${crd_pins[@]}" | sha256sum | cut -c1-12)"
+crd_dir="${XDG_CACHE_HOME:-$HOME/.cache}/capo/crds/$crd_key"
+if [[ ! -e "$crd_dir/.done" ]]; then
+  log "fetching Argo CD's, cert-manager's and the Prometheus operator's CRDs from the Go module proxy"
+  mkdir -p "$crd_dir"
+  for pin in "${crd_pins[@]}"; do
+    read -r module files <<<"$pin"
+    dir="$(cd /tmp && GOFLAGS=-mod=mod GOTOOLCHAIN=local go mod download -json "$module" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    [[ -n "$dir" ]] || { log "could not download $module"; exit 1; }
+    for f in $files; do install -m 0644 "$dir/$f" "$crd_dir/$(basename "$f")"; done
+  done
+  touch "$crd_dir/.done"
+fi
+ln -sfn "$crd_key" "${XDG_CACHE_HOME:-$HOME/.cache}/capo/crds/current"
 
 missing=()
 command -v lua5.1 >/dev/null 2>&1 || missing+=(lua5.1)

@@ -45,8 +45,25 @@ const EVERY_OPTION: &[&str] = &[
     "--set",
     "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,metrics.grafanaDashboard.enabled=true",
     "--set",
-    "certificates.mode=secret,certificates.caBundle=abc,webhook.excludedNamespaces={redis-system},webhook.failurePolicy=Fail",
+    "certificates.mode=secret,webhook.excludedNamespaces={redis-system},webhook.failurePolicy=Fail",
 ];
+
+/// The RBAC objects of a rendering, by kind and name, with their rules.
+fn rbac(docs: &[Value]) -> Vec<(String, String, Value)> {
+    let mut out: Vec<_> = docs
+        .iter()
+        .filter(|d| d["kind"] == "ClusterRole" || d["kind"] == "Role")
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap().to_string(),
+                d["metadata"]["name"].as_str().unwrap().to_string(),
+                d["rules"].clone(),
+            )
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+    out
+}
 
 fn docs(yaml: &str) -> Vec<Value> {
     yaml.split("\n---")
@@ -71,18 +88,41 @@ fn webhook_contract(w: &Value) -> Value {
 
 #[test]
 fn the_chart_and_kustomize_grant_the_same_rbac_and_register_the_same_webhooks() {
-    let chart = docs(&template(&[]));
-    let kustomize = docs(&run(Command::new("kubectl").args(["kustomize", repo("config/default").to_str().unwrap()])));
-    for (kind, name) in [("ClusterRole", "capo"), ("Role", "capo-leader-election")] {
-        assert_eq!(find(&chart, kind, name)["rules"], find(&kustomize, kind, name)["rules"], "{kind}/{name}");
+    // Self-managed certificates (both defaults), and cert-manager's.
+    for (values, overlay) in
+        [(vec![], "config/default"), (vec!["--set", "certificates.mode=cert-manager"], "config/default-cert-manager")]
+    {
+        let chart = docs(&template(&values));
+        let kustomize = docs(&run(Command::new("kubectl").args(["kustomize", repo(overlay).to_str().unwrap()])));
+        compare(&chart, &kustomize, overlay);
     }
+    let self_managed = rbac(&docs(&template(&[])));
+    let names: Vec<_> = self_managed.iter().map(|(k, n, _)| format!("{k}/{n}")).collect();
+    assert_eq!(
+        names,
+        ["ClusterRole/capo", "ClusterRole/capo-ca-injector", "Role/capo-certificates", "Role/capo-leader-election"]
+    );
+    let cert_manager = rbac(&docs(&template(&["--set", "certificates.mode=cert-manager"])));
+    assert_eq!(
+        cert_manager.len(),
+        2,
+        "with cert-manager capo gets no rights on Secrets or its webhook: {cert_manager:?}"
+    );
+}
+
+fn compare(chart: &[Value], kustomize: &[Value], overlay: &str) {
+    assert_eq!(rbac(chart), rbac(kustomize), "the chart and {overlay} grant the same rights");
+    let (chart, kustomize) = (chart.to_vec(), kustomize.to_vec());
     let (a, b) = (
         find(&chart, "ValidatingWebhookConfiguration", "capo"),
         find(&kustomize, "ValidatingWebhookConfiguration", "capo"),
     );
     let contract = |v: &Value| v["webhooks"].as_array().unwrap().iter().map(webhook_contract).collect::<Vec<_>>();
     assert_eq!(contract(a), contract(b));
-    assert_eq!(a["metadata"]["annotations"], b["metadata"]["annotations"], "the same cert-manager injection");
+    assert_eq!(
+        a["metadata"]["annotations"], b["metadata"]["annotations"],
+        "{overlay}: the same cert-manager injection"
+    );
     for w in a["webhooks"].as_array().unwrap() {
         assert!(w["clientConfig"].get("caBundle").is_none(), "no caBundle field in the rendered chart: {w}");
     }
@@ -125,29 +165,13 @@ fn values_are_validated_by_the_schema() {
 async fn the_chart_passes_a_server_side_dry_run_with_default_values_and_every_option() {
     let client = client().await;
     install_calico_crds(&client).await;
-    for (group, kind, plural) in [
-        ("cert-manager.io", "Issuer", "issuers"),
-        ("cert-manager.io", "Certificate", "certificates"),
-        ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
-        ("monitoring.coreos.com", "PrometheusRule", "prometheusrules"),
-    ] {
-        let crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition =
-            serde_json::from_value(serde_json::json!({
-                "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-                "metadata": { "name": format!("{plural}.{group}") },
-                "spec": { "group": group, "scope": "Namespaced",
-                          "names": { "kind": kind, "plural": plural, "singular": kind.to_lowercase() },
-                          "versions": [{ "name": "v1", "served": true, "storage": true,
-                                         "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] },
-            }))
-            .unwrap();
-        install_crd(&client, crd).await;
-    }
+    install_third_party_crds().await;
     install_capo_crds(&client).await;
     let ns = serde_json::from_value(serde_json::json!({ "metadata": { "name": "capo-system" } })).unwrap();
     let _ =
         kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&Default::default(), &ns).await;
-    for args in [vec!["--include-crds"], [&["--include-crds"][..], EVERY_OPTION].concat()] {
+    let cert_manager: &[&str] = &["--include-crds", "--set", "certificates.mode=cert-manager"];
+    for args in [vec!["--include-crds"], [&["--include-crds"][..], EVERY_OPTION].concat(), cert_manager.to_vec()] {
         let rendered = template(&args);
         let (ok, said) = kubectl(&["apply", "--server-side", "--dry-run=server", "-f", "-"], Some(&rendered)).await;
         assert!(ok, "{args:?}: {said}");
@@ -183,7 +207,7 @@ fn chart_readme() -> String {
     format!(
         "<!-- Generated by `make chart-readme` from values.yaml. Do not edit. -->\n# capo Helm chart\n\n\
          Installs capo: the webhook (every replica), the leader's release engine, RBAC, the webhook \
-         configuration (no caBundle: cert-manager injects it, or give it in `certificates.caBundle`), \
+         configuration (never a caBundle: capo writes it, or cert-manager's CA injector does), \
          a PodDisruptionBudget that never blocks a drain, and optionally a ServiceMonitor, capo's \
          alerts and a Grafana dashboard. The CRDs are in `crds/`. See docs/install.md.\n\n\
          ```sh\nhelm install capo charts/capo -n capo-system --create-namespace\n```\n\n\

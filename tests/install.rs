@@ -1,15 +1,24 @@
 //! The install manifests against the real API server: `deploy/capo.yaml` is exactly what
-//! kustomize renders from `config/default`, every manifest is accepted by a server-side
-//! dry run, capo's ServiceAccount has least privilege (`kubectl auth can-i`), and capo
-//! running with exactly that RBAC holds and releases.
+//! kustomize renders from `config/default`; every manifest (kustomize, plain YAML,
+//! samples, Prometheus objects, everything in `argocd/`) passes a server-side dry run
+//! against the real CRDs of Argo CD, cert-manager and the Prometheus operator; capo's
+//! ServiceAccount has least privilege (`kubectl auth can-i`); and `deploy/capo.yaml`,
+//! installed as it is, works: capo (outside the cluster, as its ServiceAccount and with
+//! nothing but the manifests' RBAC) is reached through the manifests' Service, makes its
+//! own certificate, injects its CA, holds and releases, and leaves nothing for Argo CD to
+//! see as drift.
 
 mod support;
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use capo::app::{ReleaseSettings, Settings, TlsSource};
+use capo::certs::managed::ManagedSettings;
+use k8s_openapi::api::core::v1::Secret;
 use kube::Client;
+use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use support::*;
@@ -18,34 +27,14 @@ fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }
 
-/// Minimal stand-ins for cert-manager's, the Prometheus operator's and Argo CD's CRDs, so
-/// manifests that use them can be checked.
-fn fixture_crd(group: &str, kind: &str, plural: &str) -> CustomResourceDefinition {
-    let version = match group {
-        "argoproj.io" => "v1alpha1",
-        _ => "v1",
-    };
-    serde_json::from_value(json!({
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": { "name": format!("{plural}.{group}") },
-        "spec": { "group": group, "scope": "Namespaced",
-                  "names": { "kind": kind, "plural": plural, "singular": kind.to_lowercase() },
-                  "versions": [{ "name": version, "served": true, "storage": true,
-                                 "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } } }] },
-    }))
-    .unwrap()
-}
+/// One test at a time applies the manifests' RBAC and webhook configuration for real.
+static INSTALLED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn setup() -> Client {
     let client = client().await;
     install_capo_crds(&client).await;
     install_calico_crds(&client).await;
-    install_crd(&client, fixture_crd("cert-manager.io", "Issuer", "issuers")).await;
-    install_crd(&client, fixture_crd("cert-manager.io", "Certificate", "certificates")).await;
-    install_crd(&client, fixture_crd("monitoring.coreos.com", "ServiceMonitor", "servicemonitors")).await;
-    install_crd(&client, fixture_crd("monitoring.coreos.com", "PrometheusRule", "prometheusrules")).await;
-    install_crd(&client, fixture_crd("argoproj.io", "Application", "applications")).await;
-    install_crd(&client, fixture_crd("argoproj.io", "AppProject", "appprojects")).await;
+    install_third_party_crds().await;
     for name in ["capo-system", "argocd"] {
         let ns = serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap();
         let _ =
@@ -65,25 +54,46 @@ async fn the_plain_install_yaml_is_what_kustomize_renders() {
 #[tokio::test]
 async fn every_manifest_passes_a_server_side_dry_run() {
     let _client = setup().await;
-    for (how, path) in [("-f", "deploy/capo.yaml"), ("-k", "config/samples"), ("-k", "config/default")] {
-        let (ok, out) =
-            kubectl(&["apply", "--server-side", "--dry-run=server", how, repo(path).to_str().unwrap()], None).await;
+    let manifests: &[(&str, &str, Option<&str>)] = &[
+        ("-f", "deploy/capo.yaml", None),
+        ("-k", "config/default", None),
+        ("-k", "config/default-cert-manager", None),
+        ("-k", "config/samples", None),
+        ("-k", "config/prometheus", Some("capo-system")),
+        ("-k", "argocd/manifests", None),
+        ("-f", "argocd/project.yaml", None),
+        ("-f", "argocd/capo.yaml", None),
+        ("-f", "argocd/capo-helm.yaml", None),
+        ("-f", "argocd/policies.yaml", None),
+        ("-f", "argocd/policies", None),
+        ("-f", "argocd/argocd-cm-patch.yaml", None),
+    ];
+    for (how, path, namespace) in manifests {
+        let path_arg = repo(path);
+        let mut args = vec!["apply", "--server-side", "--dry-run=server", how, path_arg.to_str().unwrap()];
+        if let Some(ns) = namespace {
+            args.extend(["-n", ns]);
+        }
+        let (ok, out) = kubectl(&args, None).await;
         assert!(ok, "{path}: {out}");
         assert!(out.contains("(server dry run)"), "{path}: {out}");
     }
     let deploy = std::fs::read_to_string(repo("deploy/capo.yaml")).unwrap();
-    assert!(!deploy.contains("caBundle"), "no caBundle in the manifests: it is injected in the cluster");
+    assert!(!deploy.contains("caBundle"), "no caBundle in the manifests: capo injects it");
+    // Argo CD must never take capo's Secret for part of its Application (and prune it).
+    assert!(!deploy.contains("kind: Secret"), "the certificate Secret is capo's, not the manifests'");
 }
 
-/// The RBAC objects of `deploy/capo.yaml`, applied for real (once at a time: two tests
-/// need them).
+/// The RBAC objects of `deploy/capo.yaml`, applied for real.
 async fn apply_rbac() {
-    static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-    let _one = ONE.lock().await;
     let deploy = std::fs::read_to_string(repo("deploy/capo.yaml")).unwrap();
     let rbac: Vec<&str> = deploy
         .split("\n---\n")
-        .filter(|doc| ["kind: ServiceAccount", "kind: ClusterRole", "kind: Role"].iter().any(|k| doc.contains(k)))
+        .filter(|doc| {
+            ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
+                .iter()
+                .any(|k| doc.contains(&format!("\nkind: {k}\n")))
+        })
         .collect();
     let (ok, out) =
         kubectl(&["apply", "--server-side", "--force-conflicts", "-f", "-"], Some(&rbac.join("\n---\n"))).await;
@@ -95,6 +105,7 @@ const SA: &str = "system:serviceaccount:capo-system:capo";
 #[tokio::test]
 async fn capos_service_account_has_least_privilege() {
     let _client = setup().await;
+    let _one = INSTALLED.lock().await;
     apply_rbac().await;
     let allowed: &[&[&str]] = &[
         &["watch", "pods"],
@@ -107,15 +118,29 @@ async fn capos_service_account_has_least_privilege() {
         &["create", "events.events.k8s.io", "-n", "shop"],
         &["patch", "leases.coordination.k8s.io", "-n", "capo-system"],
         &["watch", "statefulsets.apps"],
+        // Self-managed certificates: its own Secret, and the caBundle of its own webhook.
+        &["get", "secrets/capo-webhook-tls", "-n", "capo-system"],
+        &["watch", "secrets/capo-webhook-tls", "-n", "capo-system"],
+        &["update", "secrets/capo-webhook-tls", "-n", "capo-system"],
+        &["create", "secrets", "-n", "capo-system"],
+        &["patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        &["watch", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
     ];
     let denied: &[&[&str]] = &[
         &["delete", "ipreservations.crd.projectcalico.org"],
         &["delete", "pods"],
         &["create", "pods/eviction"],
         &["get", "secrets", "-n", "capo-system"],
+        &["get", "secrets/other", "-n", "capo-system"],
+        &["delete", "secrets/capo-webhook-tls", "-n", "capo-system"],
+        &["create", "secrets", "-n", "kube-system"],
+        &["get", "secrets/capo-webhook-tls", "-n", "kube-system"],
         &["patch", "leases.coordination.k8s.io", "-n", "kube-system"],
         &["update", "capopolicies.capo.io"],
         &["create", "validatingwebhookconfigurations.admissionregistration.k8s.io"],
+        &["patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/other"],
+        &["delete", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        &["patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
         &["get", "statefulsets.apps"],
     ];
     for (want, cases) in [(true, allowed), (false, denied)] {
@@ -130,57 +155,100 @@ async fn capos_service_account_has_least_privilege() {
     }
 }
 
-/// capo with exactly the manifests' RBAC (its client impersonates the ServiceAccount)
-/// holds a Pod's IP and releases it after the TTL. Only the self-registration of the
-/// webhook, which the manifests do in a cluster, gets an extra permission, through a
-/// group the ServiceAccount itself is not in.
+/// A free port on this machine's non-loopback address (endpoints may not be loopback).
+fn host_addr() -> SocketAddr {
+    let ip = capo_testenv::route::host_ip().expect("this machine needs a non-loopback IPv4 address");
+    let probe = std::net::TcpListener::bind((ip, 0)).expect("bind a port on the host address");
+    probe.local_addr().unwrap()
+}
+
+/// `deploy/capo.yaml`, installed as a user would (`kubectl apply --server-side`), with capo
+/// running outside the cluster as its ServiceAccount, with the Deployment's settings: the
+/// API server reaches it through the manifests' Service (the test control plane routes
+/// Services to their endpoints; the endpoints point at this machine), verifies the
+/// certificate capo made for `capo.capo-system.svc` against the CA capo injected into the
+/// manifests' webhook configuration, and capo holds and releases with nothing but the
+/// manifests' RBAC. Afterwards `kubectl diff --server-side` of the manifests and of a
+/// policy is empty: nothing for Argo CD to see as drift.
 #[tokio::test]
-async fn capo_with_exactly_its_rbac_holds_and_releases() {
+async fn the_installed_manifests_work_as_they_are_and_show_no_drift() {
     let admin = setup().await;
-    apply_rbac().await;
-    let ns = TestNamespace::create(&admin, "install-rbac").await;
-    let registration = json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-        "metadata": { "name": "capo-test-self-registration" },
-        "rules": [{ "apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations"], "verbs": ["get", "create", "patch", "delete"] }],
-    });
-    let binding = json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": { "name": "capo-test-self-registration" },
-        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "capo-test-self-registration" },
-        "subjects": [{ "kind": "Group", "apiGroup": "rbac.authorization.k8s.io", "name": "capo-test:self-registration" }],
-    });
-    let list = json!({ "apiVersion": "v1", "kind": "List", "items": [registration, binding] });
-    let (ok, out) = kubectl(&["apply", "-f", "-"], Some(&list.to_string())).await;
+    let _one = INSTALLED.lock().await;
+    let ns = TestNamespace::create(&admin, "install").await;
+    let deploy = repo("deploy/capo.yaml");
+    let (ok, out) =
+        kubectl(&["apply", "--server-side", "--force-conflicts", "-f", deploy.to_str().unwrap()], None).await;
     assert!(ok, "{out}");
+    let addr = host_addr();
+    capo_testenv::route::route_service(&admin, "capo-system", "capo", "webhook", addr)
+        .await
+        .expect("route the Service");
+
     let mut config = capo_testenv::config_from_kubeconfig(&capo_testenv::shared().kubeconfig).await.unwrap();
     config.auth_info.impersonate = Some(SA.into());
-    // The ServiceAccount's own rights, plus a group that may only self-register.
-    config.auth_info.impersonate_groups = Some(vec!["capo-test:self-registration".into()]);
     config.default_retry = true;
     let as_capo = Client::try_from(config).unwrap();
-    let mut settings =
-        capo_settings(&format!("capo-test-{}", ns.name), &[&ns.name], Some(capo_api::CalicoApiGroup::CrdV1));
-    settings.release = Some(capo::app::ReleaseSettings {
-        election: Some(capo::leader::LeaderSettings {
-            lease_name: format!("capo-{}", ns.name),
+    // The Deployment's settings (config/manager): self-managed certificates in
+    // capo-webhook-tls for capo.capo-system.svc, injected into `capo`, the Lease `capo`.
+    let settings = Settings {
+        webhook_addr: addr,
+        probe_addr: None,
+        tls: TlsSource::Managed(ManagedSettings {
+            secret: "capo-webhook-tls".into(),
             namespace: "capo-system".into(),
-            identity: "rbac".into(),
-            duration: Duration::from_secs(3),
-            grace: Duration::from_secs(1),
+            hosts: capo::certs::managed::service_hosts("capo-system"),
+            cert_validity: Duration::from_secs(90 * 86400),
+            ca_validity: Duration::from_secs(5 * 365 * 86400),
+            injecting: true,
         }),
-        engine: capo::release::EngineSettings { policy_prefix: Some(format!("{}-", ns.name)), ..Default::default() },
-        identity: "rbac".into(),
-    });
+        inject_ca_bundle: Some("capo".into()),
+        self_register: None,
+        calico_api: Some(capo_api::CalicoApiGroup::CrdV1),
+        excluded_namespaces: vec!["capo-system".into(), "kube-system".into()],
+        max_review_time: Duration::from_secs(10),
+        field_manager: "capo".into(),
+        sync_timeout: Duration::from_secs(60),
+        release: Some(ReleaseSettings {
+            election: Some(capo::leader::LeaderSettings {
+                lease_name: "capo".into(),
+                namespace: "capo-system".into(),
+                identity: "install-test".into(),
+                duration: Duration::from_secs(3),
+                grace: Duration::from_secs(1),
+            }),
+            engine: capo::release::EngineSettings {
+                policy_prefix: Some(format!("{}-", ns.name)),
+                ..Default::default()
+            },
+            identity: "install-test".into(),
+        }),
+        watch_failure_grace: Duration::from_secs(30),
+    };
+    // Returns once the API server has called capo through the Service.
     let capo = start_capo_with(&as_capo, &ns.name, settings).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &admin,
-        &policy,
-        &ns.name,
-        json!({ "podSelector": {}, "reserveFor": "2s", "releaseInterval": "100ms" }),
-    )
-    .await;
+
+    let secret = Api::<Secret>::namespaced(admin.clone(), "capo-system").get("capo-webhook-tls").await.unwrap();
+    assert_eq!(secret.labels().get("app.kubernetes.io/managed-by").map(String::as_str), Some("capo"));
+    assert!(
+        !secret.labels().contains_key("app.kubernetes.io/instance"),
+        "no Argo CD tracking label on capo's own Secret"
+    );
+    let served = capo.serving.current().unwrap();
+    assert_eq!(served.info.hosts, ["capo.capo-system.svc", "capo.capo-system.svc.cluster.local"]);
+    assert!(capo.serving.handshakes_with(&served.info.serial) > 0, "the API server came through the Service");
+
+    // A policy from git; capo loads it and writes its status.
+    let policy_name = format!("{}-p", ns.name);
+    let policy = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+        "metadata": { "name": policy_name },
+        "spec": { "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } },
+                  "podSelector": {}, "reserveFor": "2s", "releaseInterval": "100ms" } });
+    let file = std::env::temp_dir().join(format!("{}-policy.json", ns.name));
+    std::fs::write(&file, policy.to_string()).unwrap();
+    let (ok, out) = kubectl(&["apply", "--server-side", "-f", file.to_str().unwrap()], None).await;
+    assert!(ok, "{out}");
+    wait_policy_ready(&admin, &policy_name, Some(1), "True").await;
+
     let ip = Ips::v4();
     create_pod_with_ips(&admin, &ns.name, unscheduled_pod("redis-0", &[], &[]), &[ip]).await;
     delete_pod(&admin, &ns.name, "redis-0").await.expect("held and allowed");
@@ -189,60 +257,30 @@ async fn capo_with_exactly_its_rbac_holds_and_releases() {
         record(&admin, ip).await.is_none().then_some(())
     })
     .await;
-    let entries = reservation(&admin, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.unwrap();
+    let entries = reservation(&admin, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy_name}")).await.unwrap();
     assert!(!entries.contains(&format!("{ip}/32")));
-    let failures: f64 = capo
-        .metrics
-        .render()
-        .lines()
-        .filter(|l| l.starts_with("capo_release_failures_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert_eq!(failures, 0.0, "no write was forbidden");
-}
+    for failures in [
+        "capo_release_failures_total",
+        "capo_certificate_errors_total",
+        "capo_ca_bundle_injections_total{result=\"failed\"",
+    ] {
+        let n: f64 = capo
+            .metrics
+            .render()
+            .lines()
+            .filter(|l| l.starts_with(failures))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(n, 0.0, "{failures}: no write was forbidden");
+    }
 
-/// Argo CD compares what is in git with what is live: after capo has run (it writes
-/// CapoPolicy status) and cert-manager has injected the webhook's caBundle, a server-side
-/// diff of the manifests must be empty.
-#[tokio::test]
-async fn after_capo_has_run_a_server_side_diff_of_the_manifests_is_empty() {
-    let admin = setup().await;
-    let ns = TestNamespace::create(&admin, "install-diff").await;
-    let deploy = repo("deploy/capo.yaml");
-    let (ok, out) = kubectl(&["apply", "--server-side", "-f", deploy.to_str().unwrap()], None).await;
-    assert!(ok, "{out}");
-    // What cert-manager's CA injector does: it owns the caBundle, not the manifests.
-    let patch = json!({ "webhooks": [
-        { "name": "hold.capo.io", "clientConfig": { "caBundle": "Y2EK" } },
-        { "name": "hold-required.capo.io", "clientConfig": { "caBundle": "Y2EK" } },
-    ]});
-    let (ok, out) = kubectl(
-        &[
-            "patch",
-            "validatingwebhookconfiguration",
-            "capo",
-            "--type=strategic",
-            "--field-manager=cainjector",
-            "-p",
-            &patch.to_string(),
-        ],
-        None,
-    )
-    .await;
-    assert!(ok, "{out}");
-    // A policy from git, and a capo that loads it and writes its status.
-    let policy = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
-        "metadata": { "name": format!("{}-p", ns.name) },
-        "spec": { "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } } } });
-    let file = std::env::temp_dir().join(format!("{}-policy.json", ns.name));
-    std::fs::write(&file, policy.to_string()).unwrap();
-    let (ok, out) = kubectl(&["apply", "--server-side", "-f", file.to_str().unwrap()], None).await;
-    assert!(ok, "{out}");
-    let _capo = start_capo(&admin, &[&ns.name], None).await;
-    wait_policy_ready(&admin, &format!("{}-p", ns.name), Some(1), "True").await;
+    // Argo CD compares git with what is live: nothing to sync back.
     for path in [deploy.clone(), file.clone()] {
         let (ok, out) = kubectl(&["diff", "--server-side", "-f", path.to_str().unwrap()], None).await;
         assert!(ok && out.trim().is_empty(), "{}: kubectl diff shows drift:\n{out}", path.display());
     }
+    capo.shutdown().await;
     let _ = std::fs::remove_file(&file);
+    let (ok, out) = kubectl(&["delete", "validatingwebhookconfiguration", "capo", "--ignore-not-found"], None).await;
+    assert!(ok, "{out}");
 }

@@ -353,8 +353,16 @@ async fn a_failed_pod_with_ips_is_held_by_the_safety_net() {
     let rec =
         eventually("the safety net to hold", Duration::from_secs(20), || async move { record(c, ip).await }).await;
     assert_eq!(rec.spec.trigger, HoldTrigger::SafetyNet);
-    assert!(entries(&client, &policy).await.contains(&cidr(ip)));
-    assert_eq!(metric_value(&capo, &format!("capo_safety_net_holds_total{{policy=\"{policy}\"}}")), Some(1.0));
+    // The entry and the record are written at once; the record may show up first.
+    eventually("the entry in the reservation", Duration::from_secs(10), || async {
+        entries(&client, &policy).await.contains(&cidr(ip)).then_some(())
+    })
+    .await;
+    let holds = format!("capo_safety_net_holds_total{{policy=\"{policy}\"}}");
+    eventually("the safety-net hold counted", Duration::from_secs(5), || async {
+        (metric_value(&capo, &holds) == Some(1.0)).then_some(())
+    })
+    .await;
     // Its clock runs from the terminal phase: status.podGoneAt is set although the Pod exists.
     let rec = wait_status(&client, ip).await;
     assert!(rec.status.unwrap().pod_gone_at.is_some());

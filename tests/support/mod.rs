@@ -356,3 +356,38 @@ pub async fn delete_namespace_and_wait(client: &Client, name: &str) {
     })
     .await;
 }
+
+/// Installs the real CRDs of Argo CD (Application, AppProject), cert-manager (Certificate,
+/// Issuer) and the Prometheus operator (ServiceMonitor, PrometheusRule), which
+/// `hack/tools.sh` fetches from the Go module proxy, so manifests using them are checked
+/// against their real schemas.
+pub async fn install_third_party_crds() {
+    static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    ONCE.get_or_init(|| async {
+        let dir = std::env::var_os("CAPO_CRDS").map(std::path::PathBuf::from).unwrap_or_else(|| {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"));
+            cache.join("capo/crds/current")
+        });
+        assert!(dir.join(".done").exists(), "{} missing: run `make tools` (make test does)", dir.display());
+        let dir = std::fs::canonicalize(&dir).unwrap(); // kubectl does not follow a symlinked directory
+        let (ok, out) =
+            kubectl(&["apply", "--server-side", "--force-conflicts", "-f", dir.to_str().unwrap()], None).await;
+        assert!(ok, "{out}");
+        let crds = [
+            "applications.argoproj.io",
+            "appprojects.argoproj.io",
+            "certificates.cert-manager.io",
+            "issuers.cert-manager.io",
+            "servicemonitors.monitoring.coreos.com",
+            "prometheusrules.monitoring.coreos.com",
+        ];
+        let mut args = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+        let names: Vec<String> = crds.iter().map(|c| format!("crd/{c}")).collect();
+        args.extend(names.iter().map(String::as_str));
+        let (ok, out) = kubectl(&args, None).await;
+        assert!(ok, "{out}");
+    })
+    .await;
+}

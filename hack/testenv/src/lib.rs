@@ -14,6 +14,7 @@ mod kubeconfig;
 mod nodes;
 mod pki;
 mod process;
+pub mod route;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -131,6 +132,10 @@ impl ControlPlane {
                 path_arg("service-account-key-file", &p("sa.pub")),
                 path_arg("service-account-signing-key-file", &p("sa.key")),
                 "--endpoint-reconciler-type=none".into(),
+                // Webhooks behind a Service are called at the Service's endpoints, so a
+                // capo outside the cluster can be reached through the manifests' Service
+                // (see route.rs).
+                "--enable-aggregator-routing=true".into(),
                 // Namespaces are created by tests right before their Pods; do not race the
                 // service-account controller for the default ServiceAccount.
                 "--disable-admission-plugins=ServiceAccount".into(),

@@ -1,7 +1,9 @@
-//! `capo-testenv up|down|status`: the local control plane by hand (`make testenv-up`).
+//! `capo-testenv up|down|status|route`: the local control plane by hand (`make testenv-up`).
 //!
 //! `up` starts a detached supervisor (`serve`) that owns the component processes and
-//! returns once the API server is ready and the kwok nodes are Ready.
+//! returns once the API server is ready and the kwok nodes are Ready. `route` points a
+//! Service at a process on this machine (capo running outside the cluster, installed
+//! from the chart or the manifests).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -9,23 +11,27 @@ use std::time::{Duration, Instant};
 
 use capo_testenv::{ControlPlane, Options};
 
-const USAGE: &str = "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N]";
+const USAGE: &str = "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N]
+       capo-testenv route <namespace>/<service> <port-name>=<local port> [--state-dir DIR]";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut state_dir = PathBuf::from(".testenv");
     let mut nodes = 2usize;
     let mut cmd = None;
+    let mut operands = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--state-dir" => state_dir = PathBuf::from(it.next().unwrap_or_else(|| fail(USAGE))),
             "--nodes" => nodes = it.next().and_then(|n| n.parse().ok()).unwrap_or_else(|| fail(USAGE)),
-            "up" | "down" | "status" | "serve" => cmd = Some(a.clone()),
+            "up" | "down" | "status" | "serve" | "route" if cmd.is_none() => cmd = Some(a.clone()),
+            _ if cmd.as_deref() == Some("route") => operands.push(a.clone()),
             _ => fail(USAGE),
         }
     }
     match cmd.as_deref() {
+        Some("route") => route(&state_dir, &operands),
         Some("up") => up(&state_dir, nodes),
         Some("down") => down(&state_dir),
         Some("status") => status(&state_dir),
@@ -143,6 +149,29 @@ fn status(state_dir: &Path) {
             std::process::exit(1)
         }
     }
+}
+
+/// `route capo-system/capo webhook=9443`: the Service's port `webhook` reaches port 9443
+/// of this machine.
+fn route(state_dir: &Path, operands: &[String]) {
+    let [service, port] = operands else { fail(USAGE) };
+    let (Some((namespace, service)), Some((port_name, port))) = (service.split_once('/'), port.split_once('=')) else {
+        fail(USAGE)
+    };
+    let port: u16 = port.parse().unwrap_or_else(|_| fail(USAGE));
+    let ip = capo_testenv::route::host_ip()
+        .unwrap_or_else(|| fail("this machine has no non-loopback IPv4 address to route the Service to"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    rt.block_on(async {
+        let client = capo_testenv::client_from_kubeconfig(&state_dir.join("kubeconfig"))
+            .await
+            .unwrap_or_else(|e| fail(&format!("is the control plane up (make testenv-up)? {e}")));
+        let to = std::net::SocketAddr::new(ip, port);
+        capo_testenv::route::route_service(&client, namespace, service, port_name, to)
+            .await
+            .unwrap_or_else(|e| fail(&format!("routing {namespace}/{service}: {e}")));
+        println!("Service {namespace}/{service} port {port_name} -> {to}");
+    });
 }
 
 fn abs(p: &Path) -> PathBuf {
