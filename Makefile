@@ -34,9 +34,20 @@ lint: ## cargo fmt --check and clippy -D warnings
 tools: ## Install lua5.1 and promtool (Debian packages) if missing
 	@bash hack/tools.sh
 
+# The oldest Kubernetes capo supports (its webhook needs matchConditions, GA in 1.30).
+COMPAT_K8S ?= 1.30
+
 .PHONY: test
-test: controlplane tools ## Run every test: unit, CRD drift, and integration tests on a real control plane
+test: test-latest test-compat ## Run every test (unit, drift, integration) on Kubernetes 1.35, then on the oldest supported (1.30)
+
+.PHONY: test-latest
+test-latest: controlplane tools ## Run every test on the default control plane (Kubernetes 1.35)
 	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo test --workspace
+
+.PHONY: test-compat
+test-compat: tools ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30)
+	@CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh >/dev/null
+	CAPO_TESTENV_BIN="$$(CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo test --workspace
 
 .PHONY: bench
 bench: controlplane ## Measure the admission path end to end on the local control plane; writes docs/performance.md

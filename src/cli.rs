@@ -59,6 +59,32 @@ pub enum Command {
         #[arg(short, long, default_value = "table")]
         output: crate::ops::Output,
     },
+    /// Take over the IPs the original capo holds, with their original reserve times
+    /// (after `capo migrate`, before uninstalling the original; see docs/migration.md).
+    TakeOver {
+        /// The CapoPolicy whose reservation takes the IPs over (e.g. one `capo migrate` printed).
+        #[arg(long)]
+        policy: String,
+        /// The original's namespace.
+        #[arg(long, default_value = "ip-reserve")]
+        namespace: String,
+        /// The original's IPReservation (projectcalico.org/v3).
+        #[arg(long, default_value = "ip-reserve-delay-release")]
+        reservation: String,
+        /// The original's ConfigMap of reserve times, in --namespace.
+        #[arg(long, default_value = "ip-reserve-delay-release")]
+        config_map: String,
+        /// The UTC offset of the original's container clock (its times carry no zone),
+        /// e.g. +08:00 when it ran with TZ=Asia/Shanghai.
+        #[arg(long, default_value = "UTC")]
+        original_utc_offset: String,
+        /// Calico API of capo's reservation: auto, crd.projectcalico.org/v1 or projectcalico.org/v3.
+        #[arg(long, default_value = "auto")]
+        calico_api: String,
+        /// Print what would be taken over; write nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Print the CapoPolicies equivalent to the original capo's capo_config.yaml.
     Migrate {
         /// The original's configuration file (`-`: standard input), e.g. from

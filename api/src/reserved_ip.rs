@@ -111,6 +111,8 @@ pub enum HoldTrigger {
     /// The leader found the entry in a capo-owned reservation without a record (a crash
     /// between the two writes, or an entry written by hand) and adopted it.
     Adopted,
+    /// Taken over from the original capo (`capo take-over`), with its reserve time.
+    Migrated,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
