@@ -67,3 +67,11 @@ testenv-down: ## Stop the local control plane and remove its state
 .PHONY: demo
 demo: controlplane ## Bring up the control plane, run capo, delete a Redis Pod and show its IP held
 	bash hack/demo.sh
+
+.PHONY: try-helm
+try-helm: controlplane ## Install capo from the Helm chart onto the local control plane and run it as its ServiceAccount
+	bash hack/try-install.sh chart
+
+.PHONY: try-argocd
+try-argocd: controlplane ## Install capo as its Argo CD Applications sync it (argocd/) onto the local control plane
+	bash hack/try-install.sh argocd

@@ -61,6 +61,44 @@ async fn install(client: &Client) {
     }
 }
 
+/// Starts capo (release build, its own process) with `extra` flags and returns once the
+/// API server calls it: a dry-run DELETE of the selected canary shows up in its metrics.
+async fn start_capo(
+    client: &Client,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+    extra: &[&str],
+) -> (tokio::process::Child, u16) {
+    let (port, probe) = (free_port(), free_port());
+    let capo = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
+        .args([
+            &format!("--webhook-addr=127.0.0.1:{port}"),
+            &format!("--self-register-url=https://127.0.0.1:{port}"),
+            &format!("--probe-addr=127.0.0.1:{probe}"),
+            &format!("--webhook-namespaces={ns}"),
+            "--leader-elect=false",
+            "--calico-api=crd.projectcalico.org/v1",
+        ])
+        .args(extra)
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    loop {
+        let _ = pods.delete("canary-0", &DeleteParams { dry_run: true, ..Default::default() }).await;
+        if let Ok(m) = reqwest::get(format!("http://127.0.0.1:{probe}/metrics")).await
+            && m.text().await.unwrap_or_default().contains("outcome=\"dry_run\"")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (capo, probe)
+}
+
 fn ip(n: usize) -> IpAddr {
     format!("10.{}.{}.{}", 100 + n / 65536, (n / 256) % 256, n % 256).parse().unwrap()
 }
@@ -87,9 +125,13 @@ async fn create_pods(client: &Client, ns: &str, prefix: &str, app: &str, range: 
 }
 
 async fn delete_sequentially(client: &Client, ns: &str, prefix: &str, n: usize) -> Stats {
+    delete_sequentially_from(client, ns, prefix, 0, n).await
+}
+
+async fn delete_sequentially_from(client: &Client, ns: &str, prefix: &str, start: usize, n: usize) -> Stats {
     let pods = Api::<Pod>::namespaced(client.clone(), ns);
     let mut samples = Vec::new();
-    for i in 0..n {
+    for i in start..start + n {
         let t = Instant::now();
         pods.delete(&format!("{prefix}-{i}"), &DeleteParams::default()).await.unwrap();
         samples.push(t.elapsed());
@@ -188,24 +230,6 @@ async fn main() {
     let (storm_plain, _) = storm(&client, ns, "storm0", 0..storm_n).await;
     eprintln!("storm of {storm_n}, no webhook: {storm_plain:?}");
 
-    // capo, release build, its own process.
-    let (port, probe) = (free_port(), free_port());
-    let mut capo = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
-        .args([
-            &format!("--webhook-addr=127.0.0.1:{port}"),
-            &format!("--self-register-url=https://127.0.0.1:{port}"),
-            &format!("--probe-addr=127.0.0.1:{probe}"),
-            "--webhook-config-name=capo-bench",
-            "--webhook-namespaces=bench",
-            "--leader-elect=false",
-            "--calico-api=crd.projectcalico.org/v1",
-        ])
-        .env("KUBECONFIG", &shared.kubeconfig)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
     let policy = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": "bench" },
         "spec": { "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns } },
                   "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 100000 } });
@@ -213,19 +237,59 @@ async fn main() {
         .patch("bench", &PatchParams::apply("capo-bench").force(), &Patch::Apply(policy))
         .await
         .unwrap();
-    // Wait until the API server calls capo: a dry-run DELETE of a selected canary.
     create_pods(&client, ns, "canary", "redis", 0..1).await;
-    let pods = Api::<Pod>::namespaced(client.clone(), ns);
-    loop {
-        let _ = pods.delete("canary-0", &DeleteParams { dry_run: true, ..Default::default() }).await;
-        if let Ok(m) = reqwest::get(format!("http://127.0.0.1:{probe}/metrics")).await
-            && m.text().await.unwrap_or_default().contains("outcome=\"dry_run\"")
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 
+    // What TCP_NODELAY on capo's connections to the API server is worth: two capos side
+    // by side, one with kube's default connector (Nagle on), each with its own namespace,
+    // policy and reservation (both start empty), their deletions interleaved.
+    let mut ab = Vec::new();
+    for (side, extra) in [("off", "--api-tcp-nodelay=false"), ("on", "--api-tcp-nodelay=true")] {
+        let side_ns = format!("bench-nodelay-{side}");
+        let _ = Api::<Namespace>::all(client.clone())
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({ "metadata": { "name": side_ns } })).unwrap(),
+            )
+            .await;
+        let name = format!("bench-nodelay-{side}");
+        let policy = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": name },
+            "spec": { "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": side_ns } },
+                      "podSelector": {}, "reserveFor": "1h", "maxReserved": 100000 } });
+        Api::<capo_api::CapoPolicy>::all(client.clone())
+            .patch(&name, &PatchParams::apply("capo-bench").force(), &Patch::Apply(policy))
+            .await
+            .unwrap();
+        create_pods(&client, &side_ns, "canary", "redis", 0..1).await;
+        let start = 300_000 + if side == "on" { 10_000 } else { 0 };
+        create_pods(&client, &side_ns, "ab", "redis", start..start + n).await;
+        let config = format!("--webhook-config-name={name}");
+        let prefix = format!("--policy-prefix={name}");
+        let (child, _) = start_capo(&client, &shared.kubeconfig, &side_ns, &[extra, &config, &prefix]).await;
+        ab.push((child, side_ns, start, Vec::new()));
+    }
+    for i in 0..n {
+        for (_, side_ns, start, samples) in ab.iter_mut() {
+            let pods = Api::<Pod>::namespaced(client.clone(), side_ns);
+            let t = Instant::now();
+            pods.delete(&format!("ab-{}", *start + i), &DeleteParams::default()).await.unwrap();
+            samples.push(t.elapsed());
+        }
+    }
+    let mut ab_stats = Vec::new();
+    for (mut child, _, _, samples) in ab {
+        let _ = child.kill().await;
+        ab_stats.push(stats(samples));
+    }
+    let (nagle, nodelay) = (ab_stats.remove(0), ab_stats.remove(0));
+    eprintln!("delete, capo holding, API connections without TCP_NODELAY: p50 {} p99 {}", ms(nagle.p50), ms(nagle.p99));
+    eprintln!(
+        "delete, capo holding, API connections with TCP_NODELAY: p50 {} p99 {}",
+        ms(nodelay.p50),
+        ms(nodelay.p99)
+    );
+
+    // capo, release build, its own process.
+    let (mut capo, probe) = start_capo(&client, &shared.kubeconfig, ns, &["--webhook-config-name=capo-bench"]).await;
     create_pods(&client, ns, "held", "redis", 0..n).await;
     let held = delete_sequentially(&client, ns, "held", n).await;
     eprintln!("delete, capo holding: p50 {} p99 {}", ms(held.p50), ms(held.p99));
@@ -268,6 +332,8 @@ async fn main() {
         ("bare API write (ConfigMap PATCH), the reference", &bare),
         ("Pod DELETE, no webhook", &plain),
         ("Pod DELETE, capo holds its IP", &held),
+        ("Pod DELETE, capo holds its IP; side by side: capo's API connections with TCP_NODELAY", &nodelay),
+        ("Pod DELETE, capo holds its IP; side by side: capo's API connections without TCP_NODELAY", &nagle),
         ("Pod DELETE, capo called, Pod not selected", &skipped),
     ] {
         let _ = writeln!(doc, "| {what} (n={}) | {} | {} |", s.n, ms(s.p50), ms(s.p99));

@@ -21,11 +21,11 @@ target/debug/crdgen --calico | kubectl apply -f - >/dev/null
 kubectl wait --for=condition=Established crd --all --timeout=60s >/dev/null
 run kubectl get crd
 
-say "capo, serving its webhook at https://127.0.0.1:9443 (its own CA, self-registered), and leading"
+say "capo, serving its webhook at https://127.0.0.1:9443 (self-registered), and leading"
 kubectl create namespace capo-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 log="$(pwd)/.testenv/capo.log"
 target/debug/capo --webhook-addr 127.0.0.1:9443 --probe-addr 127.0.0.1:8081 \
-  --self-register-url https://127.0.0.1:9443 >"$log" 2>&1 &
+  --self-register-url https://127.0.0.1:9443 --tls-secret capo-webhook-tls >"$log" 2>&1 &
 capo_pid=$!
 trap 'kill $capo_pid 2>/dev/null; wait $capo_pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do
@@ -34,6 +34,15 @@ for _ in $(seq 100); do
   sleep 0.2
 done
 echo "capo is ready (log: $log)"
+echo "It made its own CA and serving certificate (renewed and rotated before they expire)"
+echo "and wrote the CA into its webhook configuration, so the API server trusts it:"
+run kubectl -n capo-system get secret capo-webhook-tls -L app.kubernetes.io/managed-by
+for _ in $(seq 50); do
+  [[ -n "$(kubectl get validatingwebhookconfiguration capo -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] && break
+  sleep 0.2
+done
+printf 'caBundle of ValidatingWebhookConfiguration capo: %s bytes\n' \
+  "$(kubectl get validatingwebhookconfiguration capo -o jsonpath='{.webhooks[0].clientConfig.caBundle}' | wc -c)"
 
 say "A CapoPolicy: StatefulSet Pods in namespaces labelled ip-reserve=enabled"
 echo "(for the demo the hold lasts 20s instead of the sample's 40m, so you can watch it end)"

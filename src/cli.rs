@@ -206,6 +206,10 @@ pub struct Args {
     #[arg(long, env = "CAPO_WATCH_FAILURE_GRACE", default_value = "30s")]
     pub watch_failure_grace: capo_api::Duration,
 
+    /// TCP_NODELAY on the connections to the API server (off only to measure it: make bench).
+    #[arg(long, env = "CAPO_API_TCP_NODELAY", default_value_t = true, action = clap::ArgAction::Set, hide = true)]
+    pub api_tcp_nodelay: bool,
+
     /// Restrict a self-registered webhook to these namespaces (tests). Empty: all.
     #[arg(long, env = "CAPO_WEBHOOK_NAMESPACES", value_delimiter = ',', hide = true)]
     pub webhook_namespaces: Vec<String>,

@@ -6,6 +6,7 @@ pub mod app;
 pub mod cache;
 pub mod certs;
 pub mod cli;
+pub mod client;
 pub mod health;
 pub mod hold;
 pub mod leader;

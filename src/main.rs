@@ -23,7 +23,7 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(args: capo::cli::Args) -> Result<(), Box<dyn std::error::Error>> {
     let settings = args.settings()?;
-    let client = kube::Client::try_default().await?;
+    let client = capo::client::infer(args.api_tcp_nodelay).await?;
     let app = capo::App::start(client, settings).await?;
     shutdown_signal().await;
     info!("shutting down");
@@ -38,7 +38,7 @@ async fn operator(command: Command) -> std::process::ExitCode {
         return migrate(file);
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = match kube::Client::try_default().await {
+    let client = match capo::client::infer(true).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("capo: no cluster to talk to (kubeconfig): {e}");

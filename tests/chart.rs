@@ -225,3 +225,62 @@ fn the_chart_readme_is_generated_from_the_values() {
     let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(on_disk == chart_readme(), "{} drifted from values.yaml; run `make chart-readme`", path.display());
 }
+
+/// Runs helm against the test control plane.
+fn helm_live(args: &[&str]) -> String {
+    run(Command::new(helm()).args(args).env("KUBECONFIG", &capo_testenv::shared().kubeconfig))
+}
+
+/// The chart installed for real with `helm install` (default values: self-managed
+/// certificates), capo running outside the cluster as the chart's ServiceAccount and
+/// reached through the chart's Service: it makes its certificate, injects its CA, holds
+/// and releases. A `helm upgrade` then changes the webhook configuration and keeps the
+/// injected caBundle (Helm's three-way merge leaves alone a field its manifests never
+/// had), and the next deletion is held at once.
+#[tokio::test]
+async fn the_chart_installed_with_helm_works_and_an_upgrade_keeps_the_injected_ca() {
+    use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+    let admin = client().await;
+    install_calico_crds(&admin).await;
+    let chart = repo("charts/capo");
+    helm_live(&["install", "capo", chart.to_str().unwrap(), "-n", "capo-system", "--create-namespace"]);
+    let ns = TestNamespace::create(&admin, "chart-live").await;
+    let addr = host_addr();
+    capo_testenv::route::route_service(&admin, "capo-system", "capo", "webhook", addr).await.expect("route");
+    let capo =
+        start_capo_with(&as_capo_service_account().await, &ns.name, installed_settings(addr, &format!("{}-", ns.name)))
+            .await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &admin,
+        &policy,
+        &ns.name,
+        serde_json::json!({ "podSelector": {}, "reserveFor": "2s", "releaseInterval": "100ms" }),
+    )
+    .await;
+    let first = Ips::v4();
+    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("redis-0", &[], &[]), &[first]).await;
+    delete_pod(&admin, &ns.name, "redis-0").await.expect("held and allowed");
+    assert!(record(&admin, first).await.is_some(), "held with the chart's RBAC");
+    eventually("released with the chart's RBAC", std::time::Duration::from_secs(30), || async {
+        record(&admin, first).await.is_none().then_some(())
+    })
+    .await;
+
+    let webhooks = kube::Api::<ValidatingWebhookConfiguration>::all(admin.clone());
+    let bundle = |c: &ValidatingWebhookConfiguration| {
+        c.webhooks.as_ref().unwrap().iter().map(|w| w.client_config.ca_bundle.clone()).collect::<Vec<_>>()
+    };
+    let before = webhooks.get("capo").await.unwrap();
+    assert!(bundle(&before).iter().all(|b| b.is_some()), "capo injected its CA");
+    helm_live(&["upgrade", "capo", chart.to_str().unwrap(), "-n", "capo-system", "--set", "webhook.timeoutSeconds=7"]);
+    let after = webhooks.get("capo").await.unwrap();
+    assert_eq!(after.webhooks.as_ref().unwrap()[0].timeout_seconds, Some(7), "the upgrade applied");
+    assert_eq!(bundle(&after), bundle(&before), "the upgrade kept the injected caBundle");
+    let second = Ips::v4();
+    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("redis-1", &[], &[]), &[second]).await;
+    delete_pod(&admin, &ns.name, "redis-1").await.expect("held and allowed");
+    assert!(record(&admin, second).await.is_some(), "held right after the upgrade");
+    capo.shutdown().await;
+    helm_live(&["uninstall", "capo", "-n", "capo-system"]);
+}

@@ -10,12 +10,9 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use capo::app::{ReleaseSettings, Settings, TlsSource};
-use capo::certs::managed::ManagedSettings;
 use k8s_openapi::api::core::v1::Secret;
 use kube::Client;
 use kube::ResourceExt;
@@ -155,13 +152,6 @@ async fn capos_service_account_has_least_privilege() {
     }
 }
 
-/// A free port on this machine's non-loopback address (endpoints may not be loopback).
-fn host_addr() -> SocketAddr {
-    let ip = capo_testenv::route::host_ip().expect("this machine needs a non-loopback IPv4 address");
-    let probe = std::net::TcpListener::bind((ip, 0)).expect("bind a port on the host address");
-    probe.local_addr().unwrap()
-}
-
 /// `deploy/capo.yaml`, installed as a user would (`kubectl apply --server-side`), with capo
 /// running outside the cluster as its ServiceAccount, with the Deployment's settings: the
 /// API server reaches it through the manifests' Service (the test control plane routes
@@ -184,46 +174,8 @@ async fn the_installed_manifests_work_as_they_are_and_show_no_drift() {
         .await
         .expect("route the Service");
 
-    let mut config = capo_testenv::config_from_kubeconfig(&capo_testenv::shared().kubeconfig).await.unwrap();
-    config.auth_info.impersonate = Some(SA.into());
-    config.default_retry = true;
-    let as_capo = Client::try_from(config).unwrap();
-    // The Deployment's settings (config/manager): self-managed certificates in
-    // capo-webhook-tls for capo.capo-system.svc, injected into `capo`, the Lease `capo`.
-    let settings = Settings {
-        webhook_addr: addr,
-        probe_addr: None,
-        tls: TlsSource::Managed(ManagedSettings {
-            secret: "capo-webhook-tls".into(),
-            namespace: "capo-system".into(),
-            hosts: capo::certs::managed::service_hosts("capo-system"),
-            cert_validity: Duration::from_secs(90 * 86400),
-            ca_validity: Duration::from_secs(5 * 365 * 86400),
-            injecting: true,
-        }),
-        inject_ca_bundle: Some("capo".into()),
-        self_register: None,
-        calico_api: Some(capo_api::CalicoApiGroup::CrdV1),
-        excluded_namespaces: vec!["capo-system".into(), "kube-system".into()],
-        max_review_time: Duration::from_secs(10),
-        field_manager: "capo".into(),
-        sync_timeout: Duration::from_secs(60),
-        release: Some(ReleaseSettings {
-            election: Some(capo::leader::LeaderSettings {
-                lease_name: "capo".into(),
-                namespace: "capo-system".into(),
-                identity: "install-test".into(),
-                duration: Duration::from_secs(3),
-                grace: Duration::from_secs(1),
-            }),
-            engine: capo::release::EngineSettings {
-                policy_prefix: Some(format!("{}-", ns.name)),
-                ..Default::default()
-            },
-            identity: "install-test".into(),
-        }),
-        watch_failure_grace: Duration::from_secs(30),
-    };
+    let as_capo = as_capo_service_account().await;
+    let settings = installed_settings(addr, &format!("{}-", ns.name));
     // Returns once the API server has called capo through the Service.
     let capo = start_capo_with(&as_capo, &ns.name, settings).await;
 

@@ -391,3 +391,57 @@ pub async fn install_third_party_crds() {
     })
     .await;
 }
+
+/// A free port on this machine's non-loopback address (Service endpoints may not be
+/// loopback), for a capo reached through its Service (`capo_testenv::route`).
+pub fn host_addr() -> std::net::SocketAddr {
+    let ip = capo_testenv::route::host_ip().expect("this machine needs a non-loopback IPv4 address");
+    let probe = std::net::TcpListener::bind((ip, 0)).expect("bind a port on the host address");
+    probe.local_addr().unwrap()
+}
+
+/// A client that is ServiceAccount `capo-system/capo`, with its rights and nothing else.
+pub async fn as_capo_service_account() -> Client {
+    let mut config = capo_testenv::config_from_kubeconfig(&capo_testenv::shared().kubeconfig).await.unwrap();
+    config.auth_info.impersonate = Some("system:serviceaccount:capo-system:capo".into());
+    config.default_retry = true;
+    Client::try_from(config).unwrap()
+}
+
+/// capo as the installed Deployment runs it (config/manager, the chart's defaults):
+/// self-managed certificates in `capo-webhook-tls` for `capo.capo-system.svc`, injected
+/// into the webhook configuration `capo`, the Lease `capo` in capo-system; it listens on
+/// `addr`, and its leader releases only the policies whose name starts with `prefix`.
+pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings {
+    Settings {
+        webhook_addr: addr,
+        probe_addr: None,
+        tls: TlsSource::Managed(capo::certs::managed::ManagedSettings {
+            secret: "capo-webhook-tls".into(),
+            namespace: "capo-system".into(),
+            hosts: capo::certs::managed::service_hosts("capo-system"),
+            cert_validity: Duration::from_secs(90 * 86400),
+            ca_validity: Duration::from_secs(5 * 365 * 86400),
+            injecting: true,
+        }),
+        inject_ca_bundle: Some("capo".into()),
+        self_register: None,
+        calico_api: Some(CalicoApiGroup::CrdV1),
+        excluded_namespaces: vec!["capo-system".into(), "kube-system".into()],
+        max_review_time: Duration::from_secs(10),
+        field_manager: "capo".into(),
+        sync_timeout: Duration::from_secs(60),
+        release: Some(capo::app::ReleaseSettings {
+            election: Some(capo::leader::LeaderSettings {
+                lease_name: "capo".into(),
+                namespace: "capo-system".into(),
+                identity: "installed".into(),
+                duration: Duration::from_secs(3),
+                grace: Duration::from_secs(1),
+            }),
+            engine: capo::release::EngineSettings { policy_prefix: Some(prefix.to_string()), ..Default::default() },
+            identity: "installed".into(),
+        }),
+        watch_failure_grace: Duration::from_secs(30),
+    }
+}
