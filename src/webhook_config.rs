@@ -116,7 +116,10 @@ pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
 /// namespace excluded, 5 s timeout, no caBundle.
 pub fn in_cluster(namespace: &str) -> serde_json::Value {
     let excluded = ["kube-system".to_string(), namespace.to_string()];
-    configuration("capo", Endpoint::Service { namespace, name: "capo" }, &excluded, None, 5)
+    let mut config = configuration("capo", Endpoint::Service { namespace, name: "capo" }, &excluded, None, 5);
+    // Argo CD applies it after the controller (wave -1) and before the policies (1).
+    config["metadata"]["annotations"] = json!({ "argocd.argoproj.io/sync-wave": "0" });
+    config
 }
 
 /// `config/webhook/manifests.yaml`, as checked in.

@@ -89,3 +89,72 @@ fn the_argocd_cm_patch_carries_exactly_the_tested_script() {
     let script = std::fs::read_to_string(dir().join("health.lua")).unwrap();
     assert_eq!(embedded, script, "argocd/argocd-cm-patch.yaml drifted from health.lua");
 }
+
+fn yaml_docs(text: &str) -> Vec<Value> {
+    text.split("\n---")
+        .filter_map(|d| serde_norway::from_str::<Value>(d).ok())
+        .filter(|v| v.get("kind").is_some())
+        .collect()
+}
+
+fn wave(doc: &Value) -> &str {
+    doc["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"].as_str().unwrap_or("none")
+}
+
+/// What Argo CD syncs comes in order — CRDs (-2, never pruned or deleted), the controller
+/// (-1), the webhook configuration (0), the policies (1) — from the manifests and from the
+/// chart alike, and both capo Applications leave the injected caBundle alone.
+#[test]
+fn argo_cd_syncs_crds_then_the_controller_then_the_webhook_then_the_policies() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let kustomize = std::process::Command::new("kubectl")
+        .args(["kustomize", root.join("argocd/manifests").to_str().unwrap()])
+        .output()
+        .expect("kubectl");
+    assert!(kustomize.status.success(), "{}", String::from_utf8_lossy(&kustomize.stderr));
+    let helm = std::env::var_os("CAPO_HELM").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("XDG_CACHE_HOME")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"));
+        cache.join("capo/tools/helm-v3.22.0/helm")
+    });
+    let chart = std::process::Command::new(helm)
+        .args(["template", "capo", root.join("charts/capo").to_str().unwrap(), "-n", "capo-system", "--include-crds"])
+        .output()
+        .expect("helm (make test builds it through hack/tools.sh)");
+    assert!(chart.status.success(), "{}", String::from_utf8_lossy(&chart.stderr));
+    for (source, out) in [("argocd/manifests", &kustomize.stdout), ("charts/capo", &chart.stdout)] {
+        let docs = yaml_docs(&String::from_utf8_lossy(out));
+        let of = |kind: &str| docs.iter().filter(move |d| d["kind"] == kind).collect::<Vec<_>>();
+        for crd in of("CustomResourceDefinition") {
+            assert_eq!(wave(crd), "-2", "{source}: {}", crd["metadata"]["name"]);
+            assert_eq!(
+                crd["metadata"]["annotations"]["argocd.argoproj.io/sync-options"], "Prune=false,Delete=false",
+                "{source}: {}",
+                crd["metadata"]["name"]
+            );
+        }
+        assert_eq!(of("CustomResourceDefinition").len(), 2, "{source}");
+        assert_eq!(wave(of("Deployment")[0]), "-1", "{source}");
+        assert_eq!(wave(of("ValidatingWebhookConfiguration")[0]), "0", "{source}");
+    }
+    let read = |p: &str| -> Value { serde_norway::from_str(&std::fs::read_to_string(root.join(p)).unwrap()).unwrap() };
+    let policies = read("argocd/policies.yaml");
+    assert_eq!(wave(&policies), "1");
+    let options: Vec<&str> =
+        policies["spec"]["syncPolicy"]["syncOptions"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(options.contains(&"SkipDryRunOnMissingResource=true"), "{options:?}");
+    for entry in std::fs::read_dir(root.join("argocd/policies")).unwrap() {
+        let policy: Value = serde_norway::from_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap()).unwrap();
+        assert_eq!(wave(&policy), "1", "{}", policy["metadata"]["name"]);
+    }
+    for app in ["argocd/capo.yaml", "argocd/capo-helm.yaml"] {
+        let app = read(app);
+        let options: Vec<&str> =
+            app["spec"]["syncPolicy"]["syncOptions"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+        assert!(options.contains(&"RespectIgnoreDifferences=true"), "{options:?}");
+        let ignored = &app["spec"]["ignoreDifferences"][0];
+        assert_eq!(ignored["kind"], "ValidatingWebhookConfiguration");
+        assert_eq!(ignored["jqPathExpressions"][0], ".webhooks[]?.clientConfig.caBundle");
+    }
+}

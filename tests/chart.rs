@@ -170,6 +170,8 @@ async fn the_chart_passes_a_server_side_dry_run_with_default_values_and_every_op
     let ns = serde_json::from_value(serde_json::json!({ "metadata": { "name": "capo-system" } })).unwrap();
     let _ =
         kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&Default::default(), &ns).await;
+    // Not while the live install below owns these objects (its field manager, helm).
+    let _one = LIVE.lock().await;
     let cert_manager: &[&str] = &["--include-crds", "--set", "certificates.mode=cert-manager"];
     for args in [vec!["--include-crds"], [&["--include-crds"][..], EVERY_OPTION].concat(), cert_manager.to_vec()] {
         let rendered = template(&args);
@@ -226,6 +228,9 @@ fn the_chart_readme_is_generated_from_the_values() {
     assert!(on_disk == chart_readme(), "{} drifted from values.yaml; run `make chart-readme`", path.display());
 }
 
+/// One test at a time works on the objects of the release in capo-system.
+static LIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Runs helm against the test control plane.
 fn helm_live(args: &[&str]) -> String {
     run(Command::new(helm()).args(args).env("KUBECONFIG", &capo_testenv::shared().kubeconfig))
@@ -242,6 +247,7 @@ async fn the_chart_installed_with_helm_works_and_an_upgrade_keeps_the_injected_c
     use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
     let admin = client().await;
     install_calico_crds(&admin).await;
+    let _one = LIVE.lock().await;
     let chart = repo("charts/capo");
     helm_live(&["install", "capo", chart.to_str().unwrap(), "-n", "capo-system", "--create-namespace"]);
     let ns = TestNamespace::create(&admin, "chart-live").await;

@@ -8,7 +8,22 @@ use crate::{CapoPolicy, ReservedIP};
 
 /// capo's own CRDs with the file name each is written to.
 pub fn capo_crds() -> Vec<(&'static str, CustomResourceDefinition)> {
-    vec![("capo.io_capopolicies.yaml", CapoPolicy::crd()), ("capo.io_reservedips.yaml", ReservedIP::crd())]
+    vec![("capo.io_capopolicies.yaml", kept(CapoPolicy::crd())), ("capo.io_reservedips.yaml", kept(ReservedIP::crd()))]
+}
+
+/// Deleting a CRD deletes every object of it: every CapoPolicy, and every ReservedIP, which
+/// would leave held IPs without a record. So Argo CD syncs capo's CRDs first and never
+/// prunes or deletes them, and Helm keeps them (it never deletes `crds/` anyway).
+fn kept(mut crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    let annotations = crd.metadata.annotations.get_or_insert_with(Default::default);
+    for (k, v) in [
+        ("argocd.argoproj.io/sync-wave", "-2"),
+        ("argocd.argoproj.io/sync-options", "Prune=false,Delete=false"),
+        ("helm.sh/resource-policy", "keep"),
+    ] {
+        annotations.insert(k.to_string(), v.to_string());
+    }
+    crd
 }
 
 /// Renders a CRD the way it is checked in: a generated-file header, then YAML.
