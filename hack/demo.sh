@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-run() { printf '$ %s\n' "$*"; "$@"; }
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 
 say "Local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)"
 eval "$(make -s testenv-up)"
@@ -37,38 +37,17 @@ echo "capo is ready (log: $log)"
 echo "It made its own CA and serving certificate (renewed and rotated before they expire)"
 echo "and wrote the CA into its webhook configuration, so the API server trusts it:"
 run kubectl -n capo-system get secret capo-webhook-tls -L app.kubernetes.io/managed-by
-for _ in $(seq 50); do
-  [[ -n "$(kubectl get validatingwebhookconfiguration capo -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] && break
-  sleep 0.2
-done
-printf 'caBundle of ValidatingWebhookConfiguration capo: %s bytes\n' \
-  "$(kubectl get validatingwebhookconfiguration capo -o jsonpath='{.webhooks[0].clientConfig.caBundle}' | wc -c)"
+show_ca_bundle
 
 say "A CapoPolicy: StatefulSet Pods in namespaces labelled ip-reserve=enabled"
 echo "(for the demo the hold lasts 20s instead of the sample's 40m, so you can watch it end)"
 sed 's/^  reserveFor: .*/  reserveFor: 20s/' config/samples/statefulsets.yaml | kubectl apply -f - >/dev/null
 run kubectl get capopolicy statefulsets -o jsonpath='{.metadata.name}: reserveFor={.spec.reserveFor} maxReserved={.spec.maxReserved}{"\n"}'
-kubectl create namespace redis --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-kubectl label namespace redis ip-reserve=enabled --overwrite >/dev/null
 kubectl wait --for=condition=Ready capopolicy/statefulsets --timeout=30s >/dev/null
 run kubectl get capopolicies
 
 say "A Redis StatefulSet on the kwok nodes"
-kubectl apply -n redis -f - >/dev/null <<'YAML'
-apiVersion: apps/v1
-kind: StatefulSet
-metadata: {name: redis}
-spec:
-  serviceName: redis
-  replicas: 3
-  selector: {matchLabels: {app: redis}}
-  template:
-    metadata: {labels: {app: redis}}
-    spec:
-      tolerations: [{operator: Exists}]
-      containers: [{name: redis, image: redis:7}]
-YAML
-kubectl rollout status -n redis statefulset/redis --timeout=90s >/dev/null
+redis_statefulset 3
 run kubectl get pods -n redis -o wide
 
 old_ip="$(kubectl get pod -n redis redis-0 -o jsonpath='{.status.podIP}')"

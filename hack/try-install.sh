@@ -18,8 +18,8 @@ state="${TESTENV_DIR:-.testenv}"
 port="${CAPO_TRY_PORT:-9443}"
 probe="${CAPO_TRY_PROBE_PORT:-8081}"
 
-say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-run() { printf '$ %s\n' "$*"; "$@"; }
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 
 say "The local control plane"
 bash hack/tools.sh
@@ -64,12 +64,7 @@ done
 curl -fsS "http://127.0.0.1:$probe/readyz" >/dev/null || { echo "capo did not become ready:"; cat "$log"; exit 1; }
 echo "capo is ready (log: $log)"
 run kubectl -n capo-system get secret capo-webhook-tls -L app.kubernetes.io/managed-by
-for _ in $(seq 50); do
-  [[ -n "$(kubectl get validatingwebhookconfiguration capo -o jsonpath='{.webhooks[0].clientConfig.caBundle}')" ]] && break
-  sleep 0.2
-done
-printf 'caBundle injected into ValidatingWebhookConfiguration capo: %s bytes\n' \
-  "$(kubectl get validatingwebhookconfiguration capo -o jsonpath='{.webhooks[0].clientConfig.caBundle}' | wc -c)"
+show_ca_bundle
 
 say "A CapoPolicy selecting StatefulSet Pods in namespaces labelled ip-reserve=enabled"
 if [[ "$how" == chart ]]; then
@@ -79,24 +74,7 @@ kubectl wait --for=condition=Ready capopolicy/statefulsets --timeout=60s >/dev/n
 run kubectl get capopolicies
 
 say "A Redis StatefulSet on the kwok nodes"
-kubectl create namespace redis --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-kubectl label namespace redis ip-reserve=enabled --overwrite >/dev/null
-kubectl apply -n redis -f - >/dev/null <<'YAML'
-apiVersion: apps/v1
-kind: StatefulSet
-metadata: {name: redis}
-spec:
-  serviceName: redis
-  replicas: 1
-  selector: {matchLabels: {app: redis}}
-  template:
-    metadata: {labels: {app: redis}}
-    spec:
-      tolerations: [{operator: Exists}]
-      containers: [{name: redis, image: redis:7}]
-YAML
-kubectl -n redis wait --for=jsonpath='{.status.podIP}' pod/redis-0 --timeout=60s >/dev/null 2>&1 ||
-  kubectl -n redis wait --for=condition=Ready pod/redis-0 --timeout=60s >/dev/null
+redis_statefulset 1
 old_ip="$(kubectl -n redis get pod redis-0 -o jsonpath='{.status.podIP}')"
 echo "redis-0 has IP $old_ip"
 

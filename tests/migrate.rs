@@ -44,20 +44,6 @@ fn loose(mut v: Value) -> Value {
     v
 }
 
-async fn capo_cli(args: &[&str]) -> (i32, String, String) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
-        .args(args)
-        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
-        .output()
-        .await
-        .expect("run capo");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// `at` as the original wrote it: local time of a container at UTC+8.
 fn original_time(at: Timestamp) -> String {
     let offset = tz::Offset::from_hours(8).unwrap();

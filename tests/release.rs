@@ -492,24 +492,6 @@ async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says
 
 /// Runs the `capo` binary's operator subcommand against the test control plane.
 /// Async, so the in-process capo keeps running while the command waits for it.
-async fn capo_cli(args: &[&str]) -> (i32, String, String) {
-    capo_cli_as(&capo_testenv::shared().kubeconfig, args).await
-}
-
-async fn capo_cli_as(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, String) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .output()
-        .await
-        .expect("run capo");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test]
 async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes() {
     let Scene { client, ns, capo, policy } = scene("rel-cli", Duration::from_secs(600), json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "maxReserved": 7, "releaseInterval": "100ms" })).await;

@@ -445,3 +445,24 @@ pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings 
         watch_failure_grace: Duration::from_secs(30),
     }
 }
+
+/// Runs the `capo` binary (an operator subcommand) against the test control plane;
+/// returns its exit code, standard output and standard error.
+pub async fn capo_cli(args: &[&str]) -> (i32, String, String) {
+    capo_cli_as(&capo_testenv::shared().kubeconfig, args).await
+}
+
+/// [`capo_cli`] with another kubeconfig (another user).
+pub async fn capo_cli_as(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .await
+        .expect("run capo");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
