@@ -111,7 +111,7 @@ pub struct App {
     server: Option<WebhookServer>,
     /// The certificate the webhook serves (tests look at its handshakes).
     pub serving: Arc<ServingCert>,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Tasks,
     election: Option<Election>,
     /// Whether this replica may do leader-only work now (None: it never does).
     pub fence: Option<Fence>,
@@ -142,7 +142,7 @@ impl App {
             }
             Some(None) => (None, Some(Fence::always())),
         };
-        let mut tasks = vec![
+        let mut tasks = Tasks(vec![
             tokio::spawn(
                 PolicyController::new(
                     client.clone(),
@@ -156,7 +156,7 @@ impl App {
             ),
             tokio::spawn(caches.clone().watch_namespaces(client.clone(), readiness.clone())),
             tokio::spawn(caches.clone().watch_pods(client.clone(), readiness.clone())),
-        ];
+        ]);
 
         let serving = ServingCert::new(Some(metrics.tls.clone()));
         let (trust, trusted) = tokio::sync::watch::channel(match settings.inject_ca_bundle {
@@ -308,9 +308,7 @@ impl App {
     /// Gives up the Lease, removes a self-registered webhook configuration and stops
     /// serving.
     pub async fn shutdown(mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
+        drop(std::mem::take(&mut self.tasks));
         self.metrics.release.leader.set(0);
         if let Some(election) = self.election.take() {
             election.stop().await;
@@ -345,7 +343,23 @@ async fn lead(engine: Arc<ReleaseEngine>, mut fence: Fence, metrics: Arc<Metrics
 impl Drop for App {
     fn drop(&mut self) {
         drop(self.server.take());
-        for t in &self.tasks {
+    }
+}
+
+/// capo's background tasks, aborted when dropped — also when `start` gives up half way,
+/// so a start that fails leaves nothing running.
+#[derive(Default)]
+struct Tasks(Vec<JoinHandle<()>>);
+
+impl Tasks {
+    fn push(&mut self, task: JoinHandle<()>) {
+        self.0.push(task);
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
             t.abort();
         }
     }

@@ -314,7 +314,6 @@ impl Args {
             hosts,
             cert_validity: cert,
             ca_validity: ca,
-            injecting: self.inject_ca_bundle.unwrap_or(true),
         })
     }
 

@@ -110,7 +110,6 @@ fn managed(ns: &str, secret: &str, cert: Duration, ca: Duration) -> Settings {
         hosts: vec!["127.0.0.1".into()],
         cert_validity: cert,
         ca_validity: ca,
-        injecting: true,
     });
     settings.inject_ca_bundle = Some(name);
     settings
@@ -394,4 +393,55 @@ async fn a_ca_bundle_someone_removed_is_written_back() {
         .await;
     assert!(metric_value(&capo, "capo_ca_bundle_injections_total{result=\"ok\"}").unwrap_or(0.0) >= 2.0);
     capo.shutdown().await;
+}
+
+/// CPU seconds this thread has used (user + system), from /proc/thread-self/stat.
+fn thread_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// Self-managed certificates without injection (the operator writes the caBundle): capo
+/// serves its certificate, and its certificate loop waits for news instead of spinning —
+/// with nothing to inject, the injector's channel is closed at once, and a loop that kept
+/// selecting on it would burn a core. This test's runtime (and so capo's tasks) runs on
+/// this thread, whose CPU time is measured over two idle seconds.
+#[tokio::test]
+async fn without_injection_the_certificate_is_served_and_capo_stays_idle() {
+    let (client, ns) = setup("certs-noinject").await;
+    let mut settings = managed(&ns.name, "capo-webhook-tls", DAY, 30 * DAY);
+    (settings.inject_ca_bundle, settings.self_register) = (None, None);
+    let capo = capo::App::start(client.clone(), settings).await.expect("start");
+    let made = material(&client, &ns.name, "capo-webhook-tls").await;
+    assert_eq!(capo.serving.current().unwrap().info.serial, made.leaf_info().serial);
+    let before = thread_cpu_seconds();
+    let window = Instant::now();
+    // The observation window; the assertion is on the CPU used in it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = thread_cpu_seconds() - before;
+    assert!(window.elapsed() < Duration::from_secs(5), "the runtime was starved");
+    assert!(used < 0.5, "capo used {used:.2} s of CPU in 2 idle seconds");
+    capo.shutdown().await;
+}
+
+/// A capo that may not read its Secret (RBAC): it gives up after the sync timeout with a
+/// clear error, and meanwhile its failing watch backs off instead of retrying in a loop.
+#[tokio::test]
+async fn a_secret_capo_may_not_read_gives_a_clear_error_without_a_busy_loop() {
+    let (_admin, ns) = setup("certs-forbidden").await;
+    let mut config = capo_testenv::config_from_kubeconfig(&capo_testenv::shared().kubeconfig).await.unwrap();
+    config.auth_info.impersonate = Some("capo-test:nobody".into());
+    let nobody = Client::try_from(config).unwrap();
+    let mut settings = managed(&ns.name, "capo-webhook-tls", DAY, 30 * DAY);
+    (settings.self_register, settings.sync_timeout) = (None, Duration::from_secs(3));
+    let before = thread_cpu_seconds();
+    let err = match capo::App::start(nobody, settings).await {
+        Ok(_) => panic!("capo started without access to its Secret"),
+        Err(e) => e.to_string(),
+    };
+    let used = thread_cpu_seconds() - before;
+    assert!(err.contains(&format!("no serving certificate in Secret {}/capo-webhook-tls", ns.name)), "{err}");
+    assert!(used < 1.0, "{used:.2} s of CPU in a 3 s start that only waited");
 }

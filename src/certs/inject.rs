@@ -15,7 +15,6 @@ use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::watcher;
 use serde_json::json;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -70,20 +69,15 @@ pub async fn run(
     metrics: Option<TlsMetrics>,
 ) {
     let api = Api::<ValidatingWebhookConfiguration>::all(client);
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut events = watcher::watcher(api.clone(), config).boxed();
+    let mut configs = super::watch_named(api.clone(), &name).boxed();
     let mut seen: Option<ValidatingWebhookConfiguration> = None;
     let mut synced = false;
     let mut missing_logged = false;
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
-            event = events.next() => match event {
-                Some(Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c))) => seen = Some(c),
-                Some(Ok(watcher::Event::Delete(_))) => seen = None,
-                Some(Ok(watcher::Event::Init)) => { seen = None; synced = false; continue }
-                Some(Ok(watcher::Event::InitDone)) => synced = true,
-                Some(Err(e)) => { warn!(webhook = %name, error = %e, "watching the webhook configuration failed; retrying"); continue }
+            latest = configs.next() => match latest {
+                Some(latest) => (seen, synced) = (latest, true),
                 None => return,
             },
             changed = bundle.changed() => if changed.is_err() { return },

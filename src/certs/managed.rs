@@ -23,7 +23,6 @@ use futures::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ObjectMeta, PostParams};
-use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -46,9 +45,6 @@ pub struct ManagedSettings {
     pub hosts: Vec<String>,
     pub cert_validity: Duration,
     pub ca_validity: Duration,
-    /// Whether the bundle is injected by capo: then the CA rotation waits until the
-    /// injected bundle holds the next CA.
-    pub injecting: bool,
 }
 
 /// The default SANs in a cluster: capo's Service.
@@ -358,6 +354,8 @@ pub enum ManagedError {
 }
 
 /// Serves what the Secret holds and keeps it current, until the task is dropped.
+/// `injected` says what the webhook configuration trusts (the injector's reports; a
+/// sender that is gone leaves the last value, `NotInjecting` when nobody injects).
 /// `first` gets the outcome of the first attempt: a served certificate, or the reason
 /// there is none (a Secret that is not capo's).
 pub async fn run(
@@ -369,25 +367,21 @@ pub async fn run(
     first: tokio::sync::oneshot::Sender<Result<(), ManagedError>>,
 ) {
     let api = Api::<Secret>::namespaced(client, &s.namespace);
-    let config = watcher::Config::default().fields(&format!("metadata.name={}", s.secret));
-    let mut events = watcher::watcher(api.clone(), config).boxed();
+    let mut secrets = super::watch_named(api.clone(), &s.secret).boxed();
     let mut first = Some(first);
     let mut seen: Option<Secret> = None;
     let mut synced = false;
+    let mut injector_alive = true;
     let mut backoff = Duration::from_millis(500);
     let mut sleep_until = tokio::time::Instant::now();
     loop {
-        // Wait for news: a watch event, a change of the injected bundle, or the due time.
+        // Wait for news: the Secret changed, the injected bundle changed, or the due time.
         tokio::select! {
-            event = events.next() => match event {
-                Some(Ok(watcher::Event::Apply(secret) | watcher::Event::InitApply(secret))) => seen = Some(secret),
-                Some(Ok(watcher::Event::Delete(_))) => seen = None,
-                Some(Ok(watcher::Event::Init)) => { seen = None; synced = false; continue }
-                Some(Ok(watcher::Event::InitDone)) => synced = true,
-                Some(Err(e)) => { warn!(secret = %s.secret, error = %e, "watching the certificate Secret failed; retrying"); continue }
+            latest = secrets.next() => match latest {
+                Some(latest) => (seen, synced) = (latest, true),
                 None => return,
             },
-            _ = injected.changed() => {}
+            changed = injected.changed(), if injector_alive => injector_alive = changed.is_ok(),
             _ = tokio::time::sleep_until(sleep_until), if synced => {}
         }
         if !synced {
@@ -519,7 +513,6 @@ mod tests {
             hosts: vec!["capo.capo-system.svc".into(), "127.0.0.1".into()],
             cert_validity: 90 * S,
             ca_validity: 600 * S,
-            injecting: true,
         }
     }
 

@@ -28,6 +28,47 @@ use tokio::sync::watch;
 
 pub use pki::{CertInfo, KeyedCert, PkiError};
 
+/// The one object named `name`, as a watch (with kube's backoff) sees it: an item each
+/// time it changes once the watch is synced — `Some(object)`, or `None` while it does not
+/// exist. The first item says whether it exists at all. Watch errors are logged and
+/// retried; they end nothing.
+pub(crate) fn watch_named<K>(api: kube::Api<K>, name: &str) -> impl futures::Stream<Item = Option<K>> + Send + 'static
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default,
+{
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let name = name.to_string();
+    let (mut seen, mut synced) = (None::<K>, false);
+    watcher::watcher(api, config).default_backoff().filter_map(move |event| {
+        let item = match event {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                seen = Some(o);
+                synced.then(|| seen.clone())
+            }
+            Ok(watcher::Event::Delete(_)) => {
+                seen = None;
+                synced.then_some(None)
+            }
+            Ok(watcher::Event::Init) => {
+                (seen, synced) = (None, false);
+                None
+            }
+            Ok(watcher::Event::InitDone) => {
+                synced = true;
+                Some(seen.clone())
+            }
+            Err(e) => {
+                tracing::warn!(name, error = %e, "watch failed; retrying");
+                None
+            }
+        };
+        std::future::ready(item)
+    })
+}
+
 use crate::metrics::TlsMetrics;
 
 pub const CERT_FILE: &str = "tls.crt";

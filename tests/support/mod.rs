@@ -422,7 +422,6 @@ pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings 
             hosts: capo::certs::managed::service_hosts("capo-system"),
             cert_validity: Duration::from_secs(90 * 86400),
             ca_validity: Duration::from_secs(5 * 365 * 86400),
-            injecting: true,
         }),
         inject_ca_bundle: Some("capo".into()),
         self_register: None,
