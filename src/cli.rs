@@ -61,30 +61,7 @@ pub enum Command {
     },
     /// Take over the IPs the original capo holds, with their original reserve times
     /// (after `capo migrate`, before uninstalling the original; see docs/migration.md).
-    TakeOver {
-        /// The CapoPolicy whose reservation takes the IPs over (e.g. one `capo migrate` printed).
-        #[arg(long)]
-        policy: String,
-        /// The original's namespace.
-        #[arg(long, default_value = "ip-reserve")]
-        namespace: String,
-        /// The original's IPReservation (projectcalico.org/v3).
-        #[arg(long, default_value = "ip-reserve-delay-release")]
-        reservation: String,
-        /// The original's ConfigMap of reserve times, in --namespace.
-        #[arg(long, default_value = "ip-reserve-delay-release")]
-        config_map: String,
-        /// The UTC offset of the original's container clock (its times carry no zone),
-        /// e.g. +08:00 when it ran with TZ=Asia/Shanghai.
-        #[arg(long, default_value = "UTC")]
-        original_utc_offset: String,
-        /// Calico API of capo's reservation: auto, crd.projectcalico.org/v1 or projectcalico.org/v3.
-        #[arg(long, default_value = "auto")]
-        calico_api: String,
-        /// Print what would be taken over; write nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
+    TakeOver(TakeOverArgs),
     /// Print the CapoPolicies equivalent to the original capo's capo_config.yaml.
     Migrate {
         /// The original's configuration file (`-`: standard input), e.g. from
@@ -92,6 +69,48 @@ pub enum Command {
         #[arg(short, long, default_value = "-")]
         file: std::path::PathBuf,
     },
+}
+
+/// `capo take-over`'s flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TakeOverArgs {
+    /// The CapoPolicy whose reservation takes the IPs over (e.g. one `capo migrate` printed).
+    #[arg(long)]
+    policy: String,
+    /// The original's namespace.
+    #[arg(long, default_value = "ip-reserve")]
+    namespace: String,
+    /// The original's IPReservation (projectcalico.org/v3).
+    #[arg(long, default_value = "ip-reserve-delay-release")]
+    reservation: String,
+    /// The original's ConfigMap of reserve times, in --namespace.
+    #[arg(long, default_value = "ip-reserve-delay-release")]
+    config_map: String,
+    /// The UTC offset of the original's container clock (its times carry no zone),
+    /// e.g. +08:00 when it ran with TZ=Asia/Shanghai.
+    #[arg(long, default_value = "UTC")]
+    original_utc_offset: String,
+    /// Calico API of capo's reservation: auto, crd.projectcalico.org/v1 or projectcalico.org/v3.
+    #[arg(long, default_value = "auto")]
+    calico_api: String,
+    /// Print what would be taken over; write nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl TakeOverArgs {
+    pub fn settings(&self) -> Result<crate::migrate::takeover::TakeOverSettings, String> {
+        Ok(crate::migrate::takeover::TakeOverSettings {
+            policy: self.policy.clone(),
+            namespace: self.namespace.clone(),
+            reservation: self.reservation.clone(),
+            config_map: self.config_map.clone(),
+            offset: crate::migrate::takeover::parse_offset(&self.original_utc_offset)
+                .map_err(|e| format!("--original-utc-offset: {e}"))?,
+            calico_api: calico_api(&self.calico_api).map_err(|e| format!("--calico-api: {e}"))?,
+            dry_run: self.dry_run,
+        })
+    }
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -229,6 +248,14 @@ pub enum ArgsError {
     InjectWithSelfRegister,
 }
 
+/// `auto` (or empty): detect the group as Calico does; otherwise the named group.
+pub fn calico_api(flag: &str) -> Result<Option<CalicoApiGroup>, capo_api::calico::UnknownCalicoApi> {
+    match flag {
+        "auto" | "" => Ok(None),
+        other => other.parse().map(Some),
+    }
+}
+
 /// The host name and process id: unique among replicas when POD_NAME is not set.
 fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
@@ -237,46 +264,30 @@ fn default_identity() -> String {
 
 impl Args {
     pub fn settings(&self) -> Result<Settings, ArgsError> {
-        let calico_api = match self.calico_api.as_str() {
-            "auto" | "" => None,
-            other => Some(other.parse::<CalicoApiGroup>()?),
-        };
+        let calico_api = calico_api(&self.calico_api)?;
         let mut excluded = self.excluded_namespaces.clone();
         excluded.push(self.namespace.clone());
         excluded.retain(|n| !n.is_empty());
         excluded.sort();
         excluded.dedup();
-        let (tls, self_register) = match &self.self_register_url {
-            Some(url) if self.tls_secret.is_some() => {
-                // Local runs of the in-cluster setup: self-managed certificates for the
-                // URL's host, registered without caBundle; the injector fills it in.
-                let host = url_host(url).ok_or_else(|| ArgsError::Url(url.clone()))?;
-                (
-                    TlsSource::Managed(self.managed(vec![host])?),
-                    Some(SelfRegister {
-                        name: self.webhook_config_name.clone(),
-                        url: Some(url.clone()),
-                        only_namespaces: (!self.webhook_namespaces.is_empty()).then(|| self.webhook_namespaces.clone()),
-                        timeout_seconds: 5,
-                    }),
-                )
-            }
-            Some(url) => {
-                let host = url_host(url).ok_or_else(|| ArgsError::Url(url.clone()))?;
-                (
-                    TlsSource::SelfSigned { hosts: vec![host], write_to: None },
-                    Some(SelfRegister {
-                        name: self.webhook_config_name.clone(),
-                        url: Some(url.clone()),
-                        only_namespaces: (!self.webhook_namespaces.is_empty()).then(|| self.webhook_namespaces.clone()),
-                        timeout_seconds: 5,
-                    }),
-                )
-            }
-            None => match &self.tls_secret {
-                Some(_) => (TlsSource::Managed(self.managed(self.tls_hosts.clone())?), None),
-                None => (TlsSource::Dir(self.tls_dir.clone()), None),
-            },
+        // Local runs register their own webhook configuration at the URL, and serve a
+        // certificate for its host: made in memory, or self-managed with --tls-secret
+        // (registered without caBundle; the injector fills it in).
+        let local_host = match &self.self_register_url {
+            Some(url) => Some(url_host(url).ok_or_else(|| ArgsError::Url(url.clone()))?),
+            None => None,
+        };
+        let self_register = self.self_register_url.as_ref().map(|url| SelfRegister {
+            name: self.webhook_config_name.clone(),
+            url: Some(url.clone()),
+            only_namespaces: (!self.webhook_namespaces.is_empty()).then(|| self.webhook_namespaces.clone()),
+            timeout_seconds: 5,
+        });
+        let tls = match (&self.tls_secret, local_host) {
+            (Some(_), Some(host)) => TlsSource::Managed(self.managed(vec![host])?),
+            (Some(_), None) => TlsSource::Managed(self.managed(self.tls_hosts.clone())?),
+            (None, Some(host)) => TlsSource::SelfSigned { hosts: vec![host], write_to: None },
+            (None, None) => TlsSource::Dir(self.tls_dir.clone()),
         };
         let inject = self.inject_ca_bundle.unwrap_or(self.tls_secret.is_some());
         if inject && self.self_register_url.is_some() && self.tls_secret.is_none() {

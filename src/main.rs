@@ -45,15 +45,13 @@ async fn operator(command: Command) -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
-    if let Command::TakeOver { .. } = &command {
-        return take_over(client, command).await;
-    }
     let result = match command {
         Command::Holds { output } => capo::ops::holds(client, output).await,
         Command::Policies { output } => capo::ops::policies(client, output).await,
         Command::Release { ips, wait } => capo::ops::release(client, &ips, wait.as_std()).await,
         Command::Extend { ip, for_, wait } => capo::ops::extend(client, ip, for_.as_std(), wait.as_std()).await,
-        Command::Migrate { .. } | Command::TakeOver { .. } => unreachable!("handled above"),
+        Command::TakeOver(args) => return take_over(client, &args).await,
+        Command::Migrate { .. } => unreachable!("handled without a cluster"),
     };
     match result {
         Ok(out) => {
@@ -68,35 +66,13 @@ async fn operator(command: Command) -> std::process::ExitCode {
 }
 
 /// `capo take-over`: the original's holds, taken over with their reserve times.
-async fn take_over(client: kube::Client, command: Command) -> std::process::ExitCode {
-    let Command::TakeOver { policy, namespace, reservation, config_map, original_utc_offset, calico_api, dry_run } =
-        command
-    else {
-        unreachable!("called for take-over only")
-    };
-    let usage = |e: String| {
-        eprintln!("capo: {e}");
-        std::process::ExitCode::from(2)
-    };
-    let offset = match capo::migrate::takeover::parse_offset(&original_utc_offset) {
-        Ok(o) => o,
-        Err(e) => return usage(format!("--original-utc-offset: {e}")),
-    };
-    let calico_api = match calico_api.as_str() {
-        "auto" | "" => None,
-        other => match other.parse() {
-            Ok(g) => Some(g),
-            Err(e) => return usage(format!("--calico-api: {e}")),
-        },
-    };
-    let settings = capo::migrate::takeover::TakeOverSettings {
-        policy,
-        namespace,
-        reservation,
-        config_map,
-        offset,
-        calico_api,
-        dry_run,
+async fn take_over(client: kube::Client, args: &capo::cli::TakeOverArgs) -> std::process::ExitCode {
+    let settings = match args.settings() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("capo: {e}");
+            return std::process::ExitCode::from(2);
+        }
     };
     match capo::migrate::takeover::take_over(client, &settings).await {
         Ok(report) => {

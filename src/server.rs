@@ -133,15 +133,11 @@ async fn connection(
     _open: Arc<()>,
 ) {
     let before = serving.generation();
-    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
+    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+    let tls = match handshake.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())) {
+        Ok(tls) => tls,
+        Err(e) => {
             debug!(%peer, error = %e, "TLS handshake failed");
-            serving.handshake_failed();
-            return;
-        }
-        Err(_) => {
-            debug!(%peer, "TLS handshake timed out");
             serving.handshake_failed();
             return;
         }

@@ -264,14 +264,7 @@ async fn the_chart_installed_with_helm_works_and_an_upgrade_keeps_the_injected_c
         serde_json::json!({ "podSelector": {}, "reserveFor": "2s", "releaseInterval": "100ms" }),
     )
     .await;
-    let first = Ips::v4();
-    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("redis-0", &[], &[]), &[first]).await;
-    delete_pod(&admin, &ns.name, "redis-0").await.expect("held and allowed");
-    assert!(record(&admin, first).await.is_some(), "held with the chart's RBAC");
-    eventually("released with the chart's RBAC", std::time::Duration::from_secs(30), || async {
-        record(&admin, first).await.is_none().then_some(())
-    })
-    .await;
+    holds_and_releases(&admin, &ns.name, &policy, "redis-0").await;
 
     let webhooks = kube::Api::<ValidatingWebhookConfiguration>::all(admin.clone());
     let bundle = |c: &ValidatingWebhookConfiguration| {

@@ -11,7 +11,6 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::Client;
@@ -201,16 +200,7 @@ async fn the_installed_manifests_work_as_they_are_and_show_no_drift() {
     assert!(ok, "{out}");
     wait_policy_ready(&admin, &policy_name, Some(1), "True").await;
 
-    let ip = Ips::v4();
-    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("redis-0", &[], &[]), &[ip]).await;
-    delete_pod(&admin, &ns.name, "redis-0").await.expect("held and allowed");
-    assert!(record(&admin, ip).await.is_some(), "held with the ServiceAccount's rights");
-    eventually("released with the ServiceAccount's rights", Duration::from_secs(30), || async {
-        record(&admin, ip).await.is_none().then_some(())
-    })
-    .await;
-    let entries = reservation(&admin, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy_name}")).await.unwrap();
-    assert!(!entries.contains(&format!("{ip}/32")));
+    holds_and_releases(&admin, &ns.name, &policy_name, "redis-0").await;
     for failures in [
         "capo_release_failures_total",
         "capo_certificate_errors_total",

@@ -465,3 +465,22 @@ pub async fn capo_cli_as(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, S
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// The core scenario: a Pod of `ns` with an IP is deleted; its IP is held (entry and
+/// record) when the DELETE returns, and released by the leader once `policy`'s (short)
+/// reserveFor has passed: the record goes, the entry leaves `capo-<policy>` (v1 group).
+pub async fn holds_and_releases(admin: &Client, ns: &str, policy: &str, pod: &str) {
+    let ip = Ips::v4();
+    create_pod_with_ips(admin, ns, unscheduled_pod(pod, &[], &[]), &[ip]).await;
+    delete_pod(admin, ns, pod).await.expect("held and allowed");
+    assert!(record(admin, ip).await.is_some(), "{ip} recorded when the DELETE returned");
+    let reservation_name = format!("capo-{policy}");
+    let entries = reservation(admin, CalicoApiGroup::CrdV1, &reservation_name).await.unwrap_or_default();
+    assert!(entries.contains(&cidr(ip)), "{ip} in {reservation_name} when the DELETE returned: {entries:?}");
+    eventually(&format!("{ip} released"), Duration::from_secs(30), || async {
+        record(admin, ip).await.is_none().then_some(())
+    })
+    .await;
+    let entries = reservation(admin, CalicoApiGroup::CrdV1, &reservation_name).await.unwrap_or_default();
+    assert!(!entries.contains(&cidr(ip)), "{ip} left {reservation_name}: {entries:?}");
+}
