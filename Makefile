@@ -3,15 +3,25 @@ SHELL := /usr/bin/env bash
 .DEFAULT_GOAL := help
 
 TESTENV_DIR ?= .testenv
+# Calico's datastore in `make testenv-up`: kubernetes (CRDs), etcd (its own etcd, TLS), off.
+TESTENV_CALICO ?= kubernetes
 export KUBECONFIG_TESTENV := $(abspath $(TESTENV_DIR))/kubeconfig
 
 .PHONY: help
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
+# Calico's IPAM driver (hack/calico-ipam: Calico's IPAM library at v3.28.5), the same for
+# every Kubernetes version.
+CALICO_IPAM_ENV = CAPO_CALICO_IPAM="$$(bash hack/build-calico-ipam.sh 2>/dev/null | tail -n1)"
+
 .PHONY: controlplane
-controlplane: ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
+controlplane: calico-ipam ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok, Calico IPAM
 	@bash hack/build-controlplane.sh >/dev/null
+
+.PHONY: calico-ipam
+calico-ipam: ## Build (or reuse cached) capo-calico-ipam, the test environment's Calico IPAM (v3.28.5)
+	@bash hack/build-calico-ipam.sh >/dev/null
 
 .PHONY: crds
 crds: ## Regenerate the CRD YAML (config/crd/bases, charts/capo/crds) and config/webhook from the code
@@ -42,22 +52,26 @@ test: test-latest test-compat ## Run every test (unit, drift, integration) on Ku
 
 .PHONY: test-latest
 test-latest: controlplane tools ## Run every test on the default control plane (Kubernetes 1.35)
-	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo test --workspace
+	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) cargo test --workspace
 
 .PHONY: test-compat
-test-compat: tools ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30)
+test-compat: tools calico-ipam ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30)
 	@CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh >/dev/null
-	CAPO_TESTENV_BIN="$$(CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo test --workspace
+	CAPO_TESTENV_BIN="$$(CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) cargo test --workspace
 
 .PHONY: bench
 bench: controlplane ## Measure the admission path end to end on the local control plane; writes docs/performance.md
-	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" cargo bench --bench e2e
+	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) cargo bench --bench e2e
+
+.PHONY: bench-calico
+bench-calico: controlplane ## Measure Calico AutoAssign latency against reserved entries (one object vs shards) on a private control plane
+	bash hack/bench-calico.sh
 
 .PHONY: testenv-up
 testenv-up: controlplane ## Start the local control plane; prints the export KUBECONFIG line
 	@cargo build -q -p capo-testenv
-	@CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" \
-	  target/debug/capo-testenv up --state-dir $(TESTENV_DIR)
+	@CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
+	  target/debug/capo-testenv up --state-dir $(TESTENV_DIR) --calico $(TESTENV_CALICO)
 
 .PHONY: testenv-down
 testenv-down: ## Stop the local control plane and remove its state

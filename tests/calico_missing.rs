@@ -11,7 +11,7 @@ use support::*;
 
 #[tokio::test]
 async fn calico_api_detection_and_a_clear_denial_without_calico() {
-    let client = client().await;
+    let client = client_without_calico().await;
     install_capo_crds(&client).await;
     let ns = TestNamespace::create(&client, "no-calico").await;
     let capo = start_capo(&client, &[&ns.name], None).await;

@@ -20,10 +20,20 @@ use serde_json::json;
 #[allow(unused_imports)]
 pub use capo_testenv::TestNamespace;
 
+pub mod calico;
 pub mod faults;
+
+#[allow(unused_imports)]
+pub use calico::{IpFamilies, create_pod_with_calico_ips};
 
 pub async fn client() -> Client {
     capo_testenv::shared().client().await
+}
+
+/// The client of a test binary whose control plane runs without Calico (no Calico CRDs,
+/// no IPAM driver); every test of that binary must use it.
+pub async fn client_without_calico() -> Client {
+    capo_testenv::shared_with(capo_testenv::Calico::Off).client().await
 }
 
 /// The usual start of a test: capo's and Calico's CRDs, and a namespace of its own.

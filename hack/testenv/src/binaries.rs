@@ -1,5 +1,7 @@
 //! Finds the control-plane binaries, building them with `hack/build-controlplane.sh`
-//! (which caches them by pinned version) when `CAPO_TESTENV_BIN` does not name a directory.
+//! (which caches them by pinned version) when `CAPO_TESTENV_BIN` does not name a directory,
+//! and the Calico IPAM driver with `hack/build-calico-ipam.sh` when `CAPO_CALICO_IPAM` does
+//! not.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -9,13 +11,32 @@ use crate::Error;
 pub const COMPONENTS: [&str; 6] =
     ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kwok-stages.yaml"];
 
+/// The driver binary and the CRD directory under the directory `build-calico-ipam.sh` prints.
+pub const CALICO_IPAM_BINARY: &str = "bin/capo-calico-ipam";
+pub const CALICO_CRDS: &str = "crds";
+
 pub fn locate() -> Result<PathBuf, Error> {
-    if let Some(dir) = std::env::var_os("CAPO_TESTENV_BIN") {
-        let dir = PathBuf::from(dir);
-        check(&dir)?;
-        return Ok(dir);
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../build-controlplane.sh");
+    let dir = match std::env::var_os("CAPO_TESTENV_BIN") {
+        Some(dir) => PathBuf::from(dir),
+        None => run_build_script("build-controlplane.sh")?,
+    };
+    check(&dir, &COMPONENTS)?;
+    Ok(dir)
+}
+
+/// The directory of the Calico IPAM driver (`bin/capo-calico-ipam`, `crds/`).
+pub fn locate_calico_ipam() -> Result<PathBuf, Error> {
+    let dir = match std::env::var_os("CAPO_CALICO_IPAM") {
+        Some(dir) => PathBuf::from(dir),
+        None => run_build_script("build-calico-ipam.sh")?,
+    };
+    check(&dir, &[CALICO_IPAM_BINARY, "crds/.done"])?;
+    Ok(dir)
+}
+
+/// Runs a build script of `hack/` and returns the directory it prints last.
+fn run_build_script(name: &str) -> Result<PathBuf, Error> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name);
     let out = Command::new("bash")
         .arg(&script)
         .stderr(std::process::Stdio::inherit())
@@ -25,13 +46,11 @@ pub fn locate() -> Result<PathBuf, Error> {
         return Err(Error::Build { script, status: out.status.to_string() });
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
-    check(&dir)?;
-    Ok(dir)
+    Ok(PathBuf::from(stdout.lines().last().unwrap_or_default().trim()))
 }
 
-fn check(dir: &Path) -> Result<(), Error> {
-    for name in COMPONENTS {
+fn check(dir: &Path, names: &[&str]) -> Result<(), Error> {
+    for name in names {
         let path = dir.join(name);
         if !path.is_file() {
             return Err(Error::MissingBinary { path });

@@ -1,6 +1,9 @@
 //! capo's local test control plane: a real etcd, kube-apiserver, kube-controller-manager,
 //! kube-scheduler and kwok (fake nodes and kubelets), built from the Go module proxy by
-//! `hack/build-controlplane.sh` and started on 127.0.0.1 with free ports.
+//! `hack/build-controlplane.sh` and started on 127.0.0.1 with free ports, plus Calico's
+//! IPAM: `capo-calico-ipam` (`hack/calico-ipam`, Calico's own IPAM library at v3.28.5,
+//! built by `hack/build-calico-ipam.sh`) gives Pods their IPs and finishes their
+//! deletions, as calico-ipam and a kubelet would (see docs/calico.md).
 //!
 //! - Tests call [`shared`] to get the control plane of their test binary (started once,
 //!   gone when the binary exits, even after a panic), or set `CAPO_TEST_KUBECONFIG` to
@@ -9,7 +12,6 @@
 //! - The `capo-testenv` binary behind `make testenv-up`/`testenv-down` runs the same code.
 
 mod binaries;
-pub mod ipam;
 mod kubeconfig;
 mod nodes;
 mod pki;
@@ -23,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use kube::Client;
 
+pub use binaries::locate_calico_ipam;
 pub use nodes::{KWOK_NODE_ANNOTATION, node_names};
 use process::Component;
 
@@ -34,7 +37,9 @@ pub enum Error {
     Certificate { what: &'static str, source: rcgen::Error },
     #[error("{script} failed ({status}); see its output above")]
     Build { script: PathBuf, status: String },
-    #[error("control-plane binary {path} is missing; run hack/build-controlplane.sh or unset CAPO_TESTENV_BIN")]
+    #[error(
+        "{path} is missing; run hack/build-controlplane.sh and hack/build-calico-ipam.sh, or unset CAPO_TESTENV_BIN and CAPO_CALICO_IPAM"
+    )]
     MissingBinary { path: PathBuf },
     #[error("{component} exited ({status}); its log is {log}")]
     Exited { component: &'static str, status: String, log: PathBuf },
@@ -42,6 +47,8 @@ pub enum Error {
     Timeout { what: String, after: Duration, state_dir: PathBuf },
     #[error("kubeconfig {path}: {message}")]
     Kubeconfig { path: PathBuf, message: String },
+    #[error("kwok stages {path}: {message}")]
+    KwokStages { path: PathBuf, message: String },
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
 }
@@ -55,14 +62,57 @@ pub struct Options {
     pub nodes: usize,
 }
 
+/// Calico in the control plane: which datastore Calico's IPAM library uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Calico {
+    /// No Calico at all: no Calico CRDs and no IPAM driver (kwok Pods get no IPs).
+    Off,
+    /// The Kubernetes datastore (`crd.projectcalico.org/v1` CRDs in the API server), as
+    /// most clusters run Calico. The default.
+    #[default]
+    Kubernetes,
+    /// Calico's etcd datastore: a separate etcd with TLS and client certificates, as
+    /// kubeasz-style installs run it (see [`CalicoEtcd`]).
+    Etcd,
+}
+
+/// Calico's own etcd (with [`Calico::Etcd`]): what Calico's components are given as
+/// `ETCD_ENDPOINTS`, `ETCD_CA_CERT_FILE`, `ETCD_CERT_FILE` and `ETCD_KEY_FILE`.
+#[derive(Clone, Debug)]
+pub struct CalicoEtcd {
+    pub endpoints: String,
+    pub ca_cert_file: PathBuf,
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+}
+
+impl CalicoEtcd {
+    /// The environment Calico's components (and `capo-calico-ipam`) read.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("DATASTORE_TYPE".into(), "etcdv3".into()),
+            ("ETCD_ENDPOINTS".into(), self.endpoints.clone()),
+            ("ETCD_CA_CERT_FILE".into(), self.ca_cert_file.display().to_string()),
+            ("ETCD_CERT_FILE".into(), self.cert_file.display().to_string()),
+            ("ETCD_KEY_FILE".into(), self.key_file.display().to_string()),
+        ]
+    }
+}
+
 /// A running control plane. Its processes stop when it is dropped, or when the thread
 /// that started it exits.
 pub struct ControlPlane {
     pub state_dir: PathBuf,
     pub kubeconfig: PathBuf,
     pub server: String,
+    pub calico: Calico,
+    /// Calico's etcd, with [`Calico::Etcd`].
+    pub calico_etcd: Option<CalicoEtcd>,
     components: Vec<Component>,
 }
+
+/// The name of the IPAM driver's component (and log, `capo-calico-ipam.log`).
+pub const CALICO_IPAM: &str = "capo-calico-ipam";
 
 fn free_port() -> Result<u16, Error> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io { path: "127.0.0.1:0".into(), source })?;
@@ -74,9 +124,15 @@ fn path_arg(flag: &str, path: &Path) -> String {
 }
 
 impl ControlPlane {
-    /// Builds (or finds cached) binaries and starts every component, returning once the
-    /// API server is ready and every kwok node is `Ready`.
+    /// Builds (or finds cached) binaries and starts every component with Calico's IPAM on
+    /// the Kubernetes datastore, returning once the API server is ready, the IPAM driver
+    /// serves and every kwok node is `Ready`.
     pub fn start(opts: Options) -> Result<Self, Error> {
+        Self::start_with(opts, Calico::default())
+    }
+
+    /// [`ControlPlane::start`] with the given Calico.
+    pub fn start_with(opts: Options, calico: Calico) -> Result<Self, Error> {
         let state = opts.state_dir.clone();
         let io = |path: &Path| {
             let path = path.to_path_buf();
@@ -86,6 +142,10 @@ impl ControlPlane {
         let state = std::fs::canonicalize(&state).map_err(io(&state))?;
         std::fs::write(state.join("pid"), std::process::id().to_string()).map_err(io(&state))?;
         let bin = binaries::locate()?;
+        let calico_dir = match calico {
+            Calico::Off => None,
+            _ => Some(binaries::locate_calico_ipam()?),
+        };
         let pki_dir = state.join("pki");
         std::fs::create_dir_all(&pki_dir).map_err(io(&pki_dir))?;
         let pki = pki::write(&pki_dir)?;
@@ -95,14 +155,20 @@ impl ControlPlane {
         let server = format!("https://127.0.0.1:{api_port}");
         let kubeconfig = state.join("kubeconfig");
         kubeconfig::write(&kubeconfig, &server, &pki)?;
-        let mut cp =
-            ControlPlane { state_dir: state.clone(), kubeconfig: kubeconfig.clone(), server, components: vec![] };
+        let mut cp = ControlPlane {
+            state_dir: state.clone(),
+            kubeconfig: kubeconfig.clone(),
+            server,
+            calico,
+            calico_etcd: None,
+            components: vec![],
+        };
 
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
         cp.spawn(
-            &bin,
             "etcd",
+            &bin.join("etcd"),
             vec![
                 path_arg("data-dir", &state.join("etcd")),
                 format!("--listen-client-urls={etcd_url}"),
@@ -115,8 +181,8 @@ impl ControlPlane {
             ],
         )?;
         cp.spawn(
-            &bin,
             "kube-apiserver",
+            &bin.join("kube-apiserver"),
             vec![
                 format!("--etcd-servers={etcd_url}"),
                 format!("--secure-port={api_port}"),
@@ -148,8 +214,8 @@ impl ControlPlane {
 
         let kcm_port = free_port()?;
         cp.spawn(
-            &bin,
             "kube-controller-manager",
+            &bin.join("kube-controller-manager"),
             vec![
                 path_arg("kubeconfig", &kubeconfig),
                 path_arg("authentication-kubeconfig", &kubeconfig),
@@ -171,8 +237,8 @@ impl ControlPlane {
         )?;
         let sched_port = free_port()?;
         cp.spawn(
-            &bin,
             "kube-scheduler",
+            &bin.join("kube-scheduler"),
             vec![
                 path_arg("kubeconfig", &kubeconfig),
                 path_arg("authentication-kubeconfig", &kubeconfig),
@@ -183,13 +249,18 @@ impl ControlPlane {
                 "--v=1".into(),
             ],
         )?;
+        if let Some(dir) = &calico_dir {
+            cp.start_calico_ipam(dir)?;
+        }
+        let stages = state.join("kwok-stages.yaml");
+        kwok_stages(&bin.join("kwok-stages.yaml"), &stages)?;
         let kwok_port = free_port()?;
         cp.spawn(
-            &bin,
             "kwok",
+            &bin.join("kwok"),
             vec![
                 path_arg("kubeconfig", &kubeconfig),
-                path_arg("config", &bin.join("kwok-stages.yaml")),
+                path_arg("config", &stages),
                 "--manage-all-nodes=false".into(),
                 format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
                 format!("--server-address=127.0.0.1:{kwok_port}"),
@@ -199,15 +270,102 @@ impl ControlPlane {
         rt.block_on(async {
             let client = cp.client().await?;
             nodes::create(&client, opts.nodes).await?;
+            if calico_dir.is_some() {
+                cp.wait_calico_ipam(Duration::from_secs(90)).await?;
+            }
             cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60)).await
         })?;
         Ok(cp)
     }
 
-    fn spawn(&mut self, bin: &Path, name: &'static str, args: Vec<String>) -> Result<(), Error> {
-        let c = Component::spawn(name, bin, &args, &self.state_dir)?;
+    fn spawn(&mut self, name: &'static str, program: &Path, args: Vec<String>) -> Result<(), Error> {
+        self.spawn_with_env(name, program, args, &[])
+    }
+
+    fn spawn_with_env(
+        &mut self,
+        name: &'static str,
+        program: &Path,
+        args: Vec<String>,
+        env: &[(String, String)],
+    ) -> Result<(), Error> {
+        let c = Component::spawn(name, program, &args, env, &self.state_dir)?;
         self.components.push(c);
         Ok(())
+    }
+
+    /// Starts the IPAM driver (and, for [`Calico::Etcd`], Calico's etcd first). It installs
+    /// Calico's CRDs (Kubernetes datastore) and the IP pools, then serves Pods.
+    fn start_calico_ipam(&mut self, dir: &Path) -> Result<(), Error> {
+        let state = self.state_dir.clone();
+        let mut args = vec![
+            "run".to_string(),
+            path_arg("kubeconfig", &self.kubeconfig),
+            path_arg("ready-file", &state.join(format!("{CALICO_IPAM}.ready"))),
+        ];
+        let mut env = vec![];
+        match self.calico {
+            Calico::Off => return Ok(()),
+            Calico::Kubernetes => {
+                args.push("--datastore=kubernetes".into());
+                args.push(path_arg("crds", &dir.join(binaries::CALICO_CRDS)));
+            }
+            Calico::Etcd => {
+                let etcd = self.start_calico_etcd()?;
+                env = etcd.env();
+                args.push("--datastore=etcdv3".into());
+                self.calico_etcd = Some(etcd);
+            }
+        }
+        self.spawn_with_env(CALICO_IPAM, &dir.join(binaries::CALICO_IPAM_BINARY), args, &env)
+    }
+
+    /// A second etcd, for Calico only, serving TLS and requiring client certificates.
+    fn start_calico_etcd(&mut self) -> Result<CalicoEtcd, Error> {
+        let state = self.state_dir.clone();
+        let dir = state.join("pki").join("calico-etcd");
+        std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.clone(), source })?;
+        let pki = pki::write_etcd(&dir)?;
+        let bin = binaries::locate()?;
+        let (port, peer) = (free_port()?, free_port()?);
+        let url = format!("https://127.0.0.1:{port}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        self.spawn(
+            "calico-etcd",
+            &bin.join("etcd"),
+            vec![
+                "--name=calico".into(),
+                path_arg("data-dir", &state.join("calico-etcd")),
+                format!("--listen-client-urls={url}"),
+                format!("--advertise-client-urls={url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=calico={peer_url}"),
+                path_arg("cert-file", &pki.server_cert),
+                path_arg("key-file", &pki.server_key),
+                path_arg("trusted-ca-file", &pki.ca),
+                "--client-cert-auth=true".into(),
+                "--unsafe-no-fsync=true".into(),
+                "--log-level=warn".into(),
+            ],
+        )?;
+        Ok(CalicoEtcd { endpoints: url, ca_cert_file: pki.ca, cert_file: pki.client_cert, key_file: pki.client_key })
+    }
+
+    /// Waits until the IPAM driver has set Calico up and its informers are synced.
+    async fn wait_calico_ipam(&mut self, limit: Duration) -> Result<(), Error> {
+        let ready = self.state_dir.join(format!("{CALICO_IPAM}.ready"));
+        let deadline = Instant::now() + limit;
+        loop {
+            self.check_components()?;
+            if ready.exists() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.timeout("capo-calico-ipam to set Calico IPAM up", limit));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Pids of the running components, in start order.
@@ -268,9 +426,14 @@ impl ControlPlane {
             after: Duration::ZERO,
             state_dir: state.clone(),
         })?;
+        if name == CALICO_IPAM {
+            let _ = std::fs::remove_file(state.join(format!("{CALICO_IPAM}.ready")));
+        }
         c.restart(&state)?;
-        if name == "kube-apiserver" {
-            self.wait_api_ready(Duration::from_secs(90)).await?;
+        match name {
+            "kube-apiserver" => self.wait_api_ready(Duration::from_secs(90)).await?,
+            CALICO_IPAM => self.wait_calico_ipam(Duration::from_secs(90)).await?,
+            _ => {}
         }
         Ok(())
     }
@@ -331,6 +494,8 @@ pub struct Shared {
     pub kubeconfig: PathBuf,
     /// Present when this test binary started it (absent when attached).
     pub state_dir: Option<PathBuf>,
+    /// The Calico it was started with (attached: assumed the default).
+    pub calico: Calico,
 }
 
 impl Shared {
@@ -350,11 +515,17 @@ extern "C" fn remove_state_at_exit() {
 
 /// The control plane of this test binary: attached through `CAPO_TEST_KUBECONFIG`, or
 /// started on first use by a dedicated thread that lives as long as the process, so the
-/// components die with the test binary however it ends.
+/// components die with the test binary however it ends. With Calico's IPAM on the
+/// Kubernetes datastore.
 pub fn shared() -> &'static Shared {
-    SHARED.get_or_init(|| {
+    shared_with(Calico::default())
+}
+
+/// [`shared`] with the given Calico; every call in one test binary must ask for the same.
+pub fn shared_with(calico: Calico) -> &'static Shared {
+    let shared = SHARED.get_or_init(|| {
         if let Some(path) = std::env::var_os("CAPO_TEST_KUBECONFIG") {
-            return Shared { kubeconfig: PathBuf::from(path), state_dir: None };
+            return Shared { kubeconfig: PathBuf::from(path), state_dir: None, calico: Calico::default() };
         }
         let root = test_state_root();
         sweep_stale(&root);
@@ -364,7 +535,7 @@ pub fn shared() -> &'static Shared {
         std::thread::Builder::new()
             .name("capo-testenv".into())
             .spawn(move || {
-                let started = ControlPlane::start(opts);
+                let started = ControlPlane::start_with(opts, calico);
                 let result = started.as_ref().map(|cp| cp.kubeconfig.clone()).map_err(|e| e.to_string());
                 let _ = tx.send(result);
                 // Keep the processes' parent thread alive for the life of the process;
@@ -381,8 +552,14 @@ pub fn shared() -> &'static Shared {
         unsafe {
             libc::atexit(remove_state_at_exit);
         }
-        Shared { kubeconfig, state_dir: Some(state_dir) }
-    })
+        Shared { kubeconfig, state_dir: Some(state_dir), calico }
+    });
+    assert!(
+        shared.state_dir.is_none() || shared.calico == calico,
+        "this test binary's control plane runs with Calico {:?}, not {calico:?}",
+        shared.calico
+    );
+    shared
 }
 
 /// A namespace of the test's own, named `<prefix>-<n>`; labelled so a test can select it.
@@ -414,4 +591,38 @@ impl TestNamespace {
             .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
         TestNamespace { name }
     }
+}
+
+/// capo's Pod stages for kwok: Pods run, but get no IPs from kwok and are not deleted by
+/// kwok (capo-calico-ipam does both, see the file).
+const KWOK_POD_STAGES: &str = include_str!("../kwok-pod-stages.yaml");
+
+/// Writes kwok's stage configuration to `to`: the Node stages of kwok's own "fast" set
+/// (`from`, written by hack/build-controlplane.sh) and capo's Pod stages.
+/// `CAPO_TESTENV_KWOK_STAGES` names a file to use instead, as it is (to compare with
+/// kwok's own Pod stages, say).
+fn kwok_stages(from: &Path, to: &Path) -> Result<(), Error> {
+    use serde::Deserialize;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    if let Some(file) = std::env::var_os("CAPO_TESTENV_KWOK_STAGES") {
+        std::fs::copy(&file, to).map_err(io(Path::new(&file)))?;
+        return Ok(());
+    }
+    let kwok = std::fs::read_to_string(from).map_err(io(from))?;
+    let mut out = String::new();
+    for doc in serde_norway::Deserializer::from_str(&kwok) {
+        let stage = serde_json::Value::deserialize(doc)
+            .map_err(|e| Error::KwokStages { path: from.to_path_buf(), message: e.to_string() })?;
+        if stage["spec"]["resourceRef"]["kind"] == "Node" {
+            let yaml = serde_norway::to_string(&stage).expect("a JSON value serializes");
+            out.push_str("---\n");
+            out.push_str(&yaml);
+        }
+    }
+    out.push_str("---\n");
+    out.push_str(KWOK_POD_STAGES);
+    std::fs::write(to, out).map_err(io(to))
 }

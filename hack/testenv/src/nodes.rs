@@ -1,5 +1,5 @@
 //! kwok nodes: Node objects kwok recognises by annotation and keeps `Ready`, with a fake
-//! kubelet that runs their Pods and gives them IPs.
+//! kubelet that runs their Pods (capo-calico-ipam gives them IPs through Calico IPAM).
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
@@ -15,7 +15,7 @@ pub fn node_names(count: usize) -> Vec<String> {
 
 pub async fn create(client: &Client, count: usize) -> Result<(), Error> {
     let api = Api::<Node>::all(client.clone());
-    for (i, name) in node_names(count).into_iter().enumerate() {
+    for name in node_names(count) {
         let node: Node = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": name,
@@ -28,9 +28,7 @@ pub async fn create(client: &Client, count: usize) -> Result<(), Error> {
                     "node-role.kubernetes.io/agent": "",
                 },
             },
-            // Each node gets its own Pod CIDR (kwok assigns Pod IPs from it) in the
-            // benchmarking range (RFC 2544): nothing here is ever sent traffic.
-            "spec": { "podCIDR": format!("198.18.{i}.0/24"), "podCIDRs": [format!("198.18.{i}.0/24")] },
+            // No podCIDR: Pod IPs come from Calico IPAM's blocks (capo-calico-ipam).
             "status": {
                 "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110" },
                 "capacity": { "cpu": "32", "memory": "256Gi", "pods": "110" },

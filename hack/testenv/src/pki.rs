@@ -1,7 +1,7 @@
 //! The control plane's certificates: one CA that signs the API server's serving
 //! certificate and the admin client certificate, plus the service-account signing key.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
@@ -66,6 +66,62 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
     for (name, pem) in files {
         let path = dir.join(name);
         std::fs::write(&path, pem).map_err(|source| Error::Io { path: path.clone(), source })?;
+    }
+    Ok(pki)
+}
+
+/// The files of Calico's etcd: its own CA, a serving certificate for 127.0.0.1 and a
+/// client certificate for Calico's components (what a kubeasz-style install hands
+/// calico-node and the CNI plugin).
+#[derive(Clone, Debug)]
+pub struct EtcdPki {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+/// Writes `ca.crt`, `server.{crt,key}` and `client.{crt,key}` into `dir`.
+pub fn write_etcd(dir: &Path) -> Result<EtcdPki, Error> {
+    let ca_key = KeyPair::generate().map_err(cert_err("etcd CA key"))?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("etcd CA params"))?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(DnType::CommonName, "capo-testenv-calico-etcd-ca");
+    ca_params.key_usages =
+        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let ca_cert = ca_params.self_signed(&ca_key).map_err(cert_err("etcd CA certificate"))?;
+    let ca = Issuer::new(ca_params, ca_key);
+
+    let server_key = KeyPair::generate().map_err(cert_err("etcd serving key"))?;
+    let mut server = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        .map_err(cert_err("etcd serving params"))?;
+    server.distinguished_name.push(DnType::CommonName, "calico-etcd");
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    let server_cert = server.signed_by(&server_key, &ca).map_err(cert_err("etcd serving certificate"))?;
+
+    let client_key = KeyPair::generate().map_err(cert_err("etcd client key"))?;
+    let mut client = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("etcd client params"))?;
+    client.distinguished_name.push(DnType::CommonName, "calico");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_cert = client.signed_by(&client_key, &ca).map_err(cert_err("etcd client certificate"))?;
+
+    let pki = EtcdPki {
+        ca: dir.join("ca.crt"),
+        server_cert: dir.join("server.crt"),
+        server_key: dir.join("server.key"),
+        client_cert: dir.join("client.crt"),
+        client_key: dir.join("client.key"),
+    };
+    let files = [
+        (&pki.ca, ca_cert.pem()),
+        (&pki.server_cert, server_cert.pem()),
+        (&pki.server_key, server_key.serialize_pem()),
+        (&pki.client_cert, client_cert.pem()),
+        (&pki.client_key, client_key.serialize_pem()),
+    ];
+    for (path, pem) in files {
+        std::fs::write(path, pem).map_err(|source| Error::Io { path: path.clone(), source })?;
     }
     Ok(pki)
 }

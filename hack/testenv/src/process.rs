@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,18 +13,29 @@ use crate::Error;
 pub struct Component {
     pub name: &'static str,
     child: Child,
-    bin_dir: std::path::PathBuf,
+    program: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Component {
-    pub fn spawn(name: &'static str, bin_dir: &Path, args: &[String], state_dir: &Path) -> Result<Self, Error> {
+    /// Starts `program` as the component `name` (its log is `<name>.log` in `state_dir`).
+    pub fn spawn(
+        name: &'static str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        state_dir: &Path,
+    ) -> Result<Self, Error> {
         let log_path = state_dir.join(format!("{name}.log"));
-        let log = File::create(&log_path).map_err(|source| Error::Io { path: log_path.clone(), source })?;
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|source| Error::Io { path: log_path.clone(), source })?;
         let log_err = log.try_clone().map_err(|source| Error::Io { path: log_path.clone(), source })?;
-        let bin = bin_dir.join(name);
-        let mut cmd = Command::new(&bin);
-        cmd.args(args).stdin(Stdio::null()).stdout(log).stderr(log_err);
+        let mut cmd = Command::new(program);
+        cmd.args(args).envs(env.iter().cloned()).stdin(Stdio::null()).stdout(log).stderr(log_err);
         // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
@@ -34,14 +45,14 @@ impl Component {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|source| Error::Io { path: bin, source })?;
-        Ok(Self { name, child, bin_dir: bin_dir.to_path_buf(), args: args.to_vec() })
+        let child = cmd.spawn().map_err(|source| Error::Io { path: program.to_path_buf(), source })?;
+        Ok(Self { name, child, program: program.to_path_buf(), args: args.to_vec(), env: env.to_vec() })
     }
 
     /// Stops the process (SIGTERM, then SIGKILL) and starts it again with the same flags.
     pub fn restart(&mut self, state_dir: &Path) -> Result<(), Error> {
         self.stop(Duration::from_secs(10));
-        *self = Self::spawn(self.name, &self.bin_dir.clone(), &self.args.clone(), state_dir)?;
+        *self = Self::spawn(self.name, &self.program.clone(), &self.args.clone(), &self.env.clone(), state_dir)?;
         Ok(())
     }
 

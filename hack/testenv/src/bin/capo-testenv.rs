@@ -1,4 +1,6 @@
 //! `capo-testenv up|down|status|route`: the local control plane by hand (`make testenv-up`).
+//! `--calico etcd` runs Calico's IPAM on its own etcd (TLS, client certificates; the
+//! environment Calico's components get is written to `<state-dir>/calico-etcd.env`).
 //!
 //! `up` starts a detached supervisor (`serve`) that owns the component processes and
 //! returns once the API server is ready and the kwok nodes are Ready. `route` points a
@@ -9,15 +11,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use capo_testenv::{ControlPlane, Options};
+use capo_testenv::{Calico, ControlPlane, Options};
 
-const USAGE: &str = "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N]
+const USAGE: &str =
+    "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N] [--calico kubernetes|etcd|off]
        capo-testenv route <namespace>/<service> <port-name>=<local port> [--state-dir DIR]";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut state_dir = PathBuf::from(".testenv");
     let mut nodes = 2usize;
+    let mut calico = Calico::default();
     let mut cmd = None;
     let mut operands = Vec::new();
     let mut it = args.iter();
@@ -25,6 +29,14 @@ fn main() {
         match a.as_str() {
             "--state-dir" => state_dir = PathBuf::from(it.next().unwrap_or_else(|| fail(USAGE))),
             "--nodes" => nodes = it.next().and_then(|n| n.parse().ok()).unwrap_or_else(|| fail(USAGE)),
+            "--calico" => {
+                calico = match it.next().map(String::as_str) {
+                    Some("kubernetes") => Calico::Kubernetes,
+                    Some("etcd") => Calico::Etcd,
+                    Some("off") => Calico::Off,
+                    _ => fail(USAGE),
+                }
+            }
             "up" | "down" | "status" | "serve" | "route" if cmd.is_none() => cmd = Some(a.clone()),
             _ if cmd.as_deref() == Some("route") => operands.push(a.clone()),
             _ => fail(USAGE),
@@ -32,10 +44,10 @@ fn main() {
     }
     match cmd.as_deref() {
         Some("route") => route(&state_dir, &operands),
-        Some("up") => up(&state_dir, nodes),
+        Some("up") => up(&state_dir, nodes, calico),
         Some("down") => down(&state_dir),
         Some("status") => status(&state_dir),
-        Some("serve") => serve(&state_dir, nodes),
+        Some("serve") => serve(&state_dir, nodes, calico),
         _ => fail(USAGE),
     }
 }
@@ -51,7 +63,15 @@ fn supervisor_pid(state_dir: &Path) -> Option<i32> {
     (unsafe { libc::kill(pid, 0) } == 0).then_some(pid)
 }
 
-fn up(state_dir: &Path, nodes: usize) {
+fn calico_arg(calico: Calico) -> &'static str {
+    match calico {
+        Calico::Kubernetes => "kubernetes",
+        Calico::Etcd => "etcd",
+        Calico::Off => "off",
+    }
+}
+
+fn up(state_dir: &Path, nodes: usize, calico: Calico) {
     if supervisor_pid(state_dir).is_some() {
         println!("export KUBECONFIG={}", abs(state_dir).join("kubeconfig").display());
         eprintln!("capo-testenv: already running in {}", state_dir.display());
@@ -67,6 +87,7 @@ fn up(state_dir: &Path, nodes: usize) {
         use std::os::unix::process::CommandExt;
         let mut c = Command::new(exe);
         c.args(["serve", "--state-dir"]).arg(&state_dir).args(["--nodes", &nodes.to_string()]);
+        c.args(["--calico", calico_arg(calico)]);
         c.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
         c.process_group(0);
         c.spawn().unwrap_or_else(|e| fail(&format!("starting the supervisor: {e}")))
@@ -94,13 +115,18 @@ fn up(state_dir: &Path, nodes: usize) {
     println!("export KUBECONFIG={}", state_dir.join("kubeconfig").display());
 }
 
-fn serve(state_dir: &Path, nodes: usize) {
+fn serve(state_dir: &Path, nodes: usize, calico: Calico) {
     std::fs::write(state_dir.join("supervisor.pid"), std::process::id().to_string())
         .unwrap_or_else(|e| fail(&e.to_string()));
-    let cp = ControlPlane::start(Options { state_dir: state_dir.to_path_buf(), nodes })
+    let cp = ControlPlane::start_with(Options { state_dir: state_dir.to_path_buf(), nodes }, calico)
         .unwrap_or_else(|e| fail(&e.to_string()));
     for (name, pid) in cp.pids() {
         eprintln!("{name}: pid {pid}");
+    }
+    if let Some(etcd) = &cp.calico_etcd {
+        // What Calico's components (and capo, for the etcd datastore) are given.
+        let env: String = etcd.env().iter().map(|(k, v)| format!("export {k}={v}\n")).collect();
+        std::fs::write(state_dir.join("calico-etcd.env"), env).unwrap_or_else(|e| fail(&e.to_string()));
     }
     std::fs::write(state_dir.join("ready"), &cp.server).unwrap_or_else(|e| fail(&e.to_string()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
@@ -108,11 +134,9 @@ fn serve(state_dir: &Path, nodes: usize) {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
         let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-        let client = cp.client().await.unwrap_or_else(|e| fail(&e.to_string()));
         tokio::select! {
             _ = term.recv() => {},
             _ = int.recv() => {},
-            _ = capo_testenv::ipam::run(client) => {},
         }
     });
     eprintln!("stopping");
