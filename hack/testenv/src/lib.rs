@@ -515,13 +515,14 @@ extern "C" fn remove_state_at_exit() {
 
 /// The control plane of this test binary: attached through `CAPO_TEST_KUBECONFIG`, or
 /// started on first use by a dedicated thread that lives as long as the process, so the
-/// components die with the test binary however it ends. With Calico's IPAM on the
-/// Kubernetes datastore.
+/// components die with the test binary however it ends. Started with Calico's IPAM on the
+/// Kubernetes datastore, unless [`shared_with`] started it first.
 pub fn shared() -> &'static Shared {
-    shared_with(Calico::default())
+    SHARED.get().unwrap_or_else(|| shared_with(Calico::default()))
 }
 
-/// [`shared`] with the given Calico; every call in one test binary must ask for the same.
+/// [`shared`] started with the given Calico; a test binary that needs another Calico than
+/// the default calls this first.
 pub fn shared_with(calico: Calico) -> &'static Shared {
     let shared = SHARED.get_or_init(|| {
         if let Some(path) = std::env::var_os("CAPO_TEST_KUBECONFIG") {
