@@ -619,7 +619,7 @@ const RESERVATIONS_KEY: &str = "/calico/resources/v3/projectcalico.org/ipreserva
 /// that etcd (`/calico/ipam/v2/...`), not in the API server; an IPReservation is stored
 /// at `/calico/resources/v3/projectcalico.org/ipreservations/<name>`; and one written
 /// straight into etcd in that form (as capo will write it) is read and honoured by
-/// Calico's library.
+/// Calico's library — and a malformed one stops every AutoAssign.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calico_ipam_on_its_own_etcd_with_client_certificates() {
     let plane = private_plane("calico-etcd", Calico::Etcd);
@@ -691,4 +691,24 @@ async fn calico_ipam_on_its_own_etcd_with_client_certificates() {
     let next = assign(&kc, host, "etcd.next", 1, &env).await;
     assert_ne!(next.ips[0], x, "the address held in etcd is skipped");
     assert!(!block.contains(&next.ips[0]));
+
+    // What capo must never write: one malformed entry in any IPReservation makes Calico
+    // 3.28.5's AutoAssign panic (a nil pointer after "Ignoring malformed CIDR"), so no Pod
+    // on any node can start. Nothing validates what is written straight into etcd.
+    let bad_key = format!("{RESERVATIONS_KEY}capo-malformed");
+    let mut bad = direct.clone();
+    bad["metadata"]["name"] = json!("capo-malformed");
+    bad["spec"]["reservedCIDRs"] = json!(["not-an-ip"]);
+    etcd_put(&http, &etcd, &bad_key, &bad).await;
+    let crashed = driver(&kc, &["assign", "--host", host, "--handle", "etcd.crash"], &env).await;
+    assert_ne!(crashed.code, 0, "{}", crashed.stdout);
+    assert!(crashed.stderr.contains("nil pointer dereference"), "{}", crashed.stderr);
+    etcd_delete(&http, &etcd, &bad_key).await;
+    assign(&kc, host, "etcd.after", 1, &env).await;
+}
+
+async fn etcd_delete(http: &reqwest::Client, etcd: &CalicoEtcd, key: &str) {
+    let body = json!({ "key": b64(key.as_bytes()) });
+    let r = http.post(format!("{}/v3/kv/deleterange", etcd.endpoints)).json(&body).send().await.expect("etcd delete");
+    assert!(r.status().is_success(), "{:?}", r.text().await);
 }
