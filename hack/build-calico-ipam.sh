@@ -35,7 +35,7 @@ export CGO_ENABLED=0 GOFLAGS=-mod=mod
 cd "$module"
 if [[ ! -x "$dir.partial/bin/capo-calico-ipam" ]]; then
   start=$SECONDS
-  log "building capo-calico-ipam (Calico IPAM $calico_version; about 6 minutes on 2 cores, once) ..."
+  log "building capo-calico-ipam (Calico IPAM $calico_version; about 5 minutes on 2 cores, once) ..."
   go build -trimpath -ldflags "-s -w" -o "$dir.partial/bin/capo-calico-ipam.tmp" .
   mv "$dir.partial/bin/capo-calico-ipam.tmp" "$dir.partial/bin/capo-calico-ipam"
   log "built capo-calico-ipam in $((SECONDS - start))s"

@@ -65,7 +65,8 @@ pub struct Options {
 /// Calico in the control plane: which datastore Calico's IPAM library uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Calico {
-    /// No Calico at all: no Calico CRDs and no IPAM driver (kwok Pods get no IPs).
+    /// No Calico at all: no Calico CRDs and no IPAM driver; kwok runs its own "fast" stages
+    /// (it gives Pods IPs and finishes deletions itself, by name).
     Off,
     /// The Kubernetes datastore (`crd.projectcalico.org/v1` CRDs in the API server), as
     /// most clusters run Calico. The default.
@@ -253,7 +254,12 @@ impl ControlPlane {
             cp.start_calico_ipam(dir)?;
         }
         let stages = state.join("kwok-stages.yaml");
-        kwok_stages(&bin.join("kwok-stages.yaml"), &stages)?;
+        if calico == Calico::Off {
+            // No Calico: kwok's own stages, so kwok gives Pods IPs (and deletes them) itself.
+            std::fs::copy(bin.join("kwok-stages.yaml"), &stages).map_err(io(&stages))?;
+        } else {
+            kwok_stages(&bin.join("kwok-stages.yaml"), &stages)?;
+        }
         let kwok_port = free_port()?;
         cp.spawn(
             "kwok",
