@@ -257,12 +257,17 @@ pub fn calico_api(flag: &str) -> Result<Option<CalicoApiGroup>, capo_api::calico
 }
 
 /// The host name and process id: unique among replicas when POD_NAME is not set.
-fn default_identity() -> String {
+pub fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
     format!("{}-{}", if host.is_empty() { "capo" } else { &host }, std::process::id())
 }
 
 impl Args {
+    /// This replica's identity: `--identity`, or the host name and process id.
+    pub fn identity(&self) -> String {
+        self.identity.clone().filter(|i| !i.is_empty()).unwrap_or_else(default_identity)
+    }
+
     pub fn settings(&self) -> Result<Settings, ArgsError> {
         let calico_api = calico_api(&self.calico_api)?;
         let mut excluded = self.excluded_namespaces.clone();
@@ -329,7 +334,7 @@ impl Args {
     }
 
     fn release_settings(&self, excluded: &[String]) -> Result<ReleaseSettings, ArgsError> {
-        let identity = self.identity.clone().filter(|i| !i.is_empty()).unwrap_or_else(default_identity);
+        let identity = self.identity();
         let election = self.leader_elect.then(|| LeaderSettings {
             lease_name: self.lease_name.clone(),
             namespace: self.namespace.clone(),
@@ -353,6 +358,7 @@ impl Args {
                 },
                 policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),
                 excluded_namespaces: excluded.to_vec(),
+                ..Default::default()
             },
         })
     }

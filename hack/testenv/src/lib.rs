@@ -53,7 +53,36 @@ pub struct Options {
     pub state_dir: PathBuf,
     /// How many kwok nodes to create (`kwok-node-0`, ...).
     pub nodes: usize,
+    /// Write an audit log of every write to Calico's IPReservations, capo's records and
+    /// Leases (`<state_dir>/audit.log`, JSON lines), so tests can count writes as the API
+    /// server saw them.
+    pub audit: bool,
 }
+
+impl Options {
+    pub fn new(state_dir: impl Into<PathBuf>, nodes: usize) -> Self {
+        Self { state_dir: state_dir.into(), nodes, audit: false }
+    }
+}
+
+/// What the audit log records (see [`Options::audit`]).
+const AUDIT_POLICY: &str = r#"apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+- level: Request
+  verbs: ["create", "update", "patch", "delete"]
+  resources:
+  - group: "crd.projectcalico.org"
+    resources: ["ipreservations"]
+  - group: "projectcalico.org"
+    resources: ["ipreservations"]
+  - group: "capo.io"
+    resources: ["reservedips", "reservedips/status"]
+  - group: "coordination.k8s.io"
+    resources: ["leases"]
+- level: None
+"#;
 
 /// A running control plane. Its processes stop when it is dropped, or when the thread
 /// that started it exits.
@@ -98,6 +127,18 @@ impl ControlPlane {
         let mut cp =
             ControlPlane { state_dir: state.clone(), kubeconfig: kubeconfig.clone(), server, components: vec![] };
 
+        let mut audit_args = Vec::new();
+        if opts.audit {
+            let policy = state.join("audit-policy.yaml");
+            std::fs::write(&policy, AUDIT_POLICY).map_err(io(&policy))?;
+            audit_args = vec![
+                path_arg("audit-policy-file", &policy),
+                path_arg("audit-log-path", &state.join("audit.log")),
+                "--audit-log-format=json".into(),
+                "--audit-log-mode=blocking".into(),
+                "--audit-log-maxsize=1024".into(),
+            ];
+        }
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
         cp.spawn(
@@ -117,31 +158,34 @@ impl ControlPlane {
         cp.spawn(
             &bin,
             "kube-apiserver",
-            vec![
-                format!("--etcd-servers={etcd_url}"),
-                format!("--secure-port={api_port}"),
-                "--bind-address=127.0.0.1".into(),
-                "--advertise-address=127.0.0.1".into(),
-                path_arg("tls-cert-file", &p("apiserver.crt")),
-                path_arg("tls-private-key-file", &p("apiserver.key")),
-                path_arg("client-ca-file", &p("ca.crt")),
-                path_arg("cert-dir", &pki_dir),
-                "--authorization-mode=Node,RBAC".into(),
-                "--service-cluster-ip-range=10.0.0.0/24".into(),
-                "--service-account-issuer=https://kubernetes.default.svc".into(),
-                path_arg("service-account-key-file", &p("sa.pub")),
-                path_arg("service-account-signing-key-file", &p("sa.key")),
-                "--endpoint-reconciler-type=none".into(),
-                // Webhooks behind a Service are called at the Service's endpoints, so a
-                // capo outside the cluster can be reached through the manifests' Service
-                // (see route.rs).
-                "--enable-aggregator-routing=true".into(),
-                // Namespaces are created by tests right before their Pods; do not race the
-                // service-account controller for the default ServiceAccount.
-                "--disable-admission-plugins=ServiceAccount".into(),
-                "--allow-privileged=true".into(),
-                "--v=1".into(),
-            ],
+            audit_args
+                .into_iter()
+                .chain([
+                    format!("--etcd-servers={etcd_url}"),
+                    format!("--secure-port={api_port}"),
+                    "--bind-address=127.0.0.1".into(),
+                    "--advertise-address=127.0.0.1".into(),
+                    path_arg("tls-cert-file", &p("apiserver.crt")),
+                    path_arg("tls-private-key-file", &p("apiserver.key")),
+                    path_arg("client-ca-file", &p("ca.crt")),
+                    path_arg("cert-dir", &pki_dir),
+                    "--authorization-mode=Node,RBAC".into(),
+                    "--service-cluster-ip-range=10.0.0.0/24".into(),
+                    "--service-account-issuer=https://kubernetes.default.svc".into(),
+                    path_arg("service-account-key-file", &p("sa.pub")),
+                    path_arg("service-account-signing-key-file", &p("sa.key")),
+                    "--endpoint-reconciler-type=none".into(),
+                    // Webhooks behind a Service are called at the Service's endpoints, so a
+                    // capo outside the cluster can be reached through the manifests' Service
+                    // (see route.rs).
+                    "--enable-aggregator-routing=true".into(),
+                    // Namespaces are created by tests right before their Pods; do not race the
+                    // service-account controller for the default ServiceAccount.
+                    "--disable-admission-plugins=ServiceAccount".into(),
+                    "--allow-privileged=true".into(),
+                    "--v=1".into(),
+                ])
+                .collect(),
         )?;
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io(&state))?;
         rt.block_on(cp.wait_api_ready(Duration::from_secs(90)))?;
@@ -360,7 +404,7 @@ pub fn shared() -> &'static Shared {
         sweep_stale(&root);
         let state_dir = root.join(format!("{}", std::process::id()));
         let (tx, rx) = std::sync::mpsc::channel();
-        let opts = Options { state_dir: state_dir.clone(), nodes: 2 };
+        let opts = Options::new(state_dir.clone(), 2);
         std::thread::Builder::new()
             .name("capo-testenv".into())
             .spawn(move || {

@@ -97,8 +97,7 @@ fn up(state_dir: &Path, nodes: usize) {
 fn serve(state_dir: &Path, nodes: usize) {
     std::fs::write(state_dir.join("supervisor.pid"), std::process::id().to_string())
         .unwrap_or_else(|e| fail(&e.to_string()));
-    let cp = ControlPlane::start(Options { state_dir: state_dir.to_path_buf(), nodes })
-        .unwrap_or_else(|e| fail(&e.to_string()));
+    let cp = ControlPlane::start(Options::new(state_dir, nodes)).unwrap_or_else(|e| fail(&e.to_string()));
     for (name, pid) in cp.pids() {
         eprintln!("{name}: pid {pid}");
     }
