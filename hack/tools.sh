@@ -5,6 +5,7 @@
 #   lua5.1   runs Argo CD's health-check tests (tests/argocd.rs)
 #   promtool checks and tests the alerts (tests/prometheus.rs), from Debian's prometheus
 #   kubectl  applies and renders manifests (tests/install.rs, tests/admission.rs)
+#   faketime libfaketime, to run one capo replica with its clock ahead (tests/failover.rs)
 #   CRDs     of Argo CD, cert-manager and the Prometheus operator (see below)
 # Debian packages via apt-get (root, or sudo when available).
 set -euo pipefail
@@ -47,6 +48,7 @@ ln -sfn "$crd_key" "${XDG_CACHE_HOME:-$HOME/.cache}/capo/crds/current"
 missing=()
 command -v lua5.1 >/dev/null 2>&1 || missing+=(lua5.1)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v faketime >/dev/null 2>&1 || missing+=(faketime)
 if ((${#missing[@]} == 0)); then
   exit 0
 fi
@@ -63,5 +65,5 @@ $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 if [[ " ${missing[*]} " == *" prometheus "* ]]; then
   $sudo pkill -x prometheus 2>/dev/null || true
 fi
-command -v lua5.1 >/dev/null && command -v promtool >/dev/null
+command -v lua5.1 >/dev/null && command -v promtool >/dev/null && command -v faketime >/dev/null
 log "done"

@@ -210,6 +210,11 @@ pub struct Args {
     #[arg(long, env = "CAPO_KEPT_POD_GRACE", default_value = "10m")]
     pub kept_pod_grace: capo_api::Duration,
 
+    /// How many holds, policies and reservations the leader works on at once (status
+    /// writes, releases, repairs, safety-net holds).
+    #[arg(long, env = "CAPO_RELEASE_WORKERS", default_value_t = 8)]
+    pub workers: usize,
+
     /// How long a record without its reservation entry (or an entry without a record)
     /// must stay so before the leader repairs it.
     #[arg(long, env = "CAPO_REPAIR_SETTLE", default_value = "5s")]
@@ -358,7 +363,7 @@ impl Args {
                 },
                 policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),
                 excluded_namespaces: excluded.to_vec(),
-                ..Default::default()
+                workers: self.workers.max(1),
             },
         })
     }

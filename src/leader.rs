@@ -269,8 +269,11 @@ impl Election {
 }
 
 impl Drop for Election {
+    /// Dropped without [`Election::stop`] (a crash, a failed start): the campaign ends and
+    /// the Lease expires by itself.
     fn drop(&mut self) {
         self.watch.abort();
+        self.task.abort();
     }
 }
 

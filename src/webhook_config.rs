@@ -28,7 +28,7 @@ pub struct Registration {
 /// CEL pre-filter: skip Pods that cannot be held (no IP, host network, opted out), and
 /// DELETEs that finish a deletion already under way, before the API server even calls
 /// capo ([`crate::pod::PodFacts::reviewed`] says the same).
-pub const MATCH_CONDITION: &str = "request.subResource == 'eviction' || (\
+pub const MATCH_CONDITION: &str = "(has(request.subResource) && request.subResource == 'eviction') || (\
 !has(oldObject.metadata.deletionTimestamp) && \
 has(oldObject.status) && has(oldObject.status.podIPs) && size(oldObject.status.podIPs) > 0 && \
 !(has(oldObject.spec.hostNetwork) && oldObject.spec.hostNetwork) && \

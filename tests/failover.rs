@@ -351,7 +351,7 @@ async fn d05_a_replica_that_lost_the_lease_cannot_release_anything_whatever_the_
         &client,
         &policy,
         ns,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "5s",
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "8s",
                 "releaseInterval": "200ms", "releaseBatch": 5 }),
     )
     .await;
@@ -371,12 +371,15 @@ async fn d05_a_replica_that_lost_the_lease_cannot_release_anything_whatever_the_
         assert_eq!(holder(&client, ns).await.as_deref(), Some("a"), "the follower whose clock runs ahead took over");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // Phase 2: the releases fall due; a's writes to reservations are held 5 s in flight,
-    // and its Lease renewals are refused.
-    proxy.set(vec![
-        Rule::new(Method::PATCH, "/ipreservations/", Fault::Delay(Duration::from_secs(5))),
-        Rule::new(Method::PUT, "/leases/", Fault::Status(503, None)),
-    ]);
+    // Phase 2: the releases fall due; a's writes to reservations are held 6 s in flight,
+    // and once one is, a is cut off from the Lease.
+    let held = || Rule::new(Method::PATCH, "/ipreservations/", Fault::Delay(Duration::from_secs(6)));
+    proxy.set(vec![held()]);
+    eventually("a release write of a's in flight", Duration::from_secs(30), || async {
+        (proxy.delayed() > 0).then_some(())
+    })
+    .await;
+    proxy.set(vec![held(), Rule::new(Method::PUT, "/leases/", Fault::Status(503, None))]);
     eventually("b to lead", Duration::from_secs(20), || async { (holder(&client, ns).await? == "b").then_some(()) })
         .await;
     wait_all_released(&client, &ips, Duration::from_secs(40)).await;
@@ -430,6 +433,7 @@ async fn start_storm_capo(client: &kube::Client) -> capo::App {
         engine: Default::default(),
         identity: "storm".into(),
     });
+    init_tracing();
     let app = capo::App::start(client.clone(), settings).await.expect("start capo");
     let pods = Api::<Pod>::namespaced(client.clone(), "storm");
     eventually("the API server to call the new capo", Duration::from_secs(60), || {
@@ -474,7 +478,12 @@ async fn restarting_capo_and_the_api_server_during_a_storm_loses_no_hold() {
                     match pods.delete(&format!("redis-{i}"), &DeleteParams::default()).await {
                         Ok(_) => break,
                         Err(kube::Error::Api(s)) if s.code == 404 => break,
-                        Err(_) => refused += 1,
+                        Err(e) => {
+                            if refused < 3 {
+                                eprintln!("redis-{i}: {e}");
+                            }
+                            refused += 1
+                        }
                     }
                     assert!(Instant::now() < deadline, "redis-{i} could not be deleted");
                     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -252,7 +252,13 @@ static CASE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 
 fn arb_pod() -> impl Strategy<Value = Value> {
     (
-        prop_oneof![Just(SELECTED_NS), Just(OTHER_NS), Just("fuzz-terminating"), Just("kube-system"), Just("fuzz-absent")],
+        prop_oneof![
+            4 => Just(SELECTED_NS),
+            1 => Just(OTHER_NS),
+            1 => Just("fuzz-terminating"),
+            1 => Just("kube-system"),
+            1 => Just("fuzz-absent")
+        ],
         prop::collection::btree_map(
             prop_oneof![Just("statefulset.kubernetes.io/pod-name".to_string()), Just("app".to_string()), "[a-z]{1,8}"],
             "[a-z0-9-]{0,8}",
@@ -360,7 +366,7 @@ fn the_admission_path_answers_every_review_and_writes_exactly_what_it_answers() 
         prop_oneof![6 => Just(("DELETE", None)), 2 => Just(("CREATE", Some("eviction"))), 1 => Just(("UPDATE", None))];
     fuzz(
         "random reviews",
-        (arb_pod(), ops, prop::bool::weighted(0.15), arb_user(), any::<bool>()),
+        (arb_pod(), ops, prop::bool::weighted(0.25), arb_user(), any::<bool>()),
         |(pod, op, dry_run, user, cached)| {
             // An eviction names its Pod; capo finds it in its store (or reads it).
             if op.1.is_some()

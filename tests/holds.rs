@@ -156,65 +156,52 @@ async fn dry_run_deletion_writes_nothing() {
     assert!(reservation(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.is_none());
 }
 
-/// Refuses DELETE of Pods labelled `capo-test/refuse-delete` (another admission check after
-/// capo's), so a Pod can be reviewed by capo again and again without being deleted.
-async fn refuse_labelled_deletes() {
-    let policy = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-        "metadata": { "name": "capo-tests-refuse-delete" },
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": { "resourceRules": [{ "apiGroups": [""], "apiVersions": ["v1"],
-                "operations": ["DELETE"], "resources": ["pods"] }] },
-            "validations": [{ "expression": "!has(oldObject.metadata.labels) || !('capo-test/refuse-delete' in oldObject.metadata.labels)",
-                              "message": "capo-tests: this Pod may not be deleted yet" }],
-        },
-    });
-    let binding = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": { "name": "capo-tests-refuse-delete" },
-        "spec": { "policyName": "capo-tests-refuse-delete", "validationActions": ["Deny"] },
-    });
-    let (ok, out) = kubectl(
-        &["apply", "--server-side", "-f", "-"],
-        Some(&json!({ "apiVersion": "v1", "kind": "List", "items": [policy, binding] }).to_string()),
-    )
-    .await;
-    assert!(ok, "{out}");
-}
-
-/// Invariant 7: the same Pod reviewed again and again (a DELETE another admission check
-/// refuses after capo held, retried) keeps one hold with its first `reservedAt` — by the
-/// replica that wrote it, and by a restarted one that goes to the API server and finds the
-/// entries (a duplicate is success) and the records in place.
+/// Invariant 7: the same Pod reviewed again and again keeps one hold with its first
+/// `reservedAt` — by the replica that wrote it, and by a restarted one that goes to the API
+/// server and finds the entries (a duplicate is success) and the records in place. The
+/// reviews are evictions a PodDisruptionBudget refuses after capo held (the Pod is not
+/// ready, so the budget is never met), retried as `kubectl drain` does.
 #[tokio::test]
 async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() {
     let (client, ns) = setup("hold-twice").await;
-    refuse_labelled_deletes().await;
     let capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
     let ips = [Ips::v4(), Ips::v6()];
-    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[("capo-test/refuse-delete", "yes")], &[]), &ips)
-        .await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[("app", "twice")], &[]), &ips).await;
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "twice" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "twice" } } },
+    }))
+    .unwrap();
+    let pdbs = Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns.name);
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
     let reviews = |app: &capo::App| {
-        metric_value(app, "capo_admission_requests_total{operation=\"delete\",outcome=\"held\"}").unwrap_or(0.0)
+        metric_value(app, "capo_admission_requests_total{operation=\"eviction\",outcome=\"held\"}").unwrap_or(0.0)
     };
-    // The refusal reaches the admission chain asynchronously: DELETE until it refuses.
-    eventually("a DELETE refused after capo held", Duration::from_secs(30), || async {
-        delete_pod(&client, &ns.name, "p").await.is_err().then_some(())
+    let evict = || async {
+        match pods.evict("p", &Default::default()).await {
+            Err(kube::Error::Api(s)) if s.code == 429 => true,
+            other => panic!("the budget refuses the eviction: {other:?}"),
+        }
+    };
+    // The budget is computed asynchronously: evict until capo has reviewed one.
+    eventually("capo to review an eviction", Duration::from_secs(30), || async {
+        evict().await;
+        (reviews(&capo) > 0.0).then_some(())
     })
     .await;
     let first = record(&client, ips[0]).await.expect("held");
     // Again, reviewed by the same replica.
     let before = reviews(&capo);
-    assert!(delete_pod(&client, &ns.name, "p").await.is_err(), "refused again");
-    assert!(reviews(&capo) > before, "capo reviewed the second DELETE");
+    evict().await;
+    assert!(reviews(&capo) > before, "capo reviewed the eviction again");
     // And again after a restart.
     drop(capo);
     let restarted = start_capo(&client, &[&ns.name], None).await;
-    eventually("the restarted capo to review the DELETE", Duration::from_secs(30), || async {
-        let _ = delete_pod(&client, &ns.name, "p").await;
+    eventually("the restarted capo to review an eviction", Duration::from_secs(30), || async {
+        evict().await;
         (reviews(&restarted) > 0.0).then_some(())
     })
     .await;
@@ -223,9 +210,8 @@ async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() 
     assert_eq!(first.metadata.resource_version, last.metadata.resource_version, "the record is untouched");
     let entries = policy_entries(&client, CalicoApiGroup::CrdV1, &policy).await;
     assert_eq!(entries.len(), 2, "{entries:?}");
-    // Let it go: the deletion passes, with the same hold.
-    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
-    pods.patch("p", &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "labels": null } }))).await.unwrap();
+    // The deletion itself: the same hold.
+    pdbs.delete("twice", &Default::default()).await.unwrap();
     delete_pod(&client, &ns.name, "p").await.expect("deleted now");
     let end = record(&client, ips[0]).await.expect("held");
     assert_eq!(end.metadata.resource_version, last.metadata.resource_version);

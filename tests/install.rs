@@ -127,7 +127,7 @@ async fn capos_service_account_has_least_privilege() {
         &["delete", "ipreservations.crd.projectcalico.org"],
         &["delete", "pods"],
         &["update", "pods", "-n", "shop"],
-        &["patch", "pods/status", "-n", "shop"],
+        &["patch", "pods", "--subresource=status", "-n", "shop"],
         &["create", "pods/eviction"],
         &["get", "secrets", "-n", "capo-system"],
         &["get", "secrets/other", "-n", "capo-system"],

@@ -227,6 +227,9 @@ async fn d02_objects_capo_cannot_read_do_not_stop_releases() {
     })
     .await;
     assert!(records.get_opt(&bad_record).await.unwrap().is_some(), "a record capo cannot read is left alone");
+    // (The other tests of this binary count policies: leave none behind.)
+    untyped.delete(&bad, &Default::default()).await.unwrap();
+    records.delete(&bad_record, &Default::default()).await.unwrap();
 }
 
 /// Defect 11 (invariant 3): repair removes from a capo-owned reservation only entries that

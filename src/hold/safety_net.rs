@@ -169,7 +169,6 @@ impl SafetyNet {
                 }
                 Err(errors) => {
                     let message = errors.iter().map(HoldError::to_string).collect::<Vec<_>>().join("; ");
-                    self.metrics.release.failures.with_label_values(&[&policy, "safety_net"]).inc();
                     return Err(NetError::Hold { namespace: namespace.into(), pod: name.into(), policy, message });
                 }
             }

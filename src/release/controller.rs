@@ -323,6 +323,21 @@ impl Ctx {
         let names: BTreeSet<&String> = now.keys().chain(memory.policies.keys()).collect();
         let changed: Vec<String> =
             names.into_iter().filter(|n| now.get(*n) != memory.policies.get(*n)).cloned().collect();
+        // A lowered cap (or share) is worked off at the policy's pace: the holds that came
+        // before the change do not make a slot larger.
+        for name in &changed {
+            let lowered = match (memory.policies.get(name), now.get(name)) {
+                (Some(old), Some(new)) => {
+                    new.max_reserved < old.max_reserved
+                        || new.max_reserved_per_namespace.unwrap_or(u32::MAX)
+                            < old.max_reserved_per_namespace.unwrap_or(u32::MAX)
+                }
+                _ => false,
+            };
+            if lowered {
+                memory.arrivals.remove(name);
+            }
+        }
         memory.policies = now;
         drop(memory);
         for p in changed {

@@ -95,10 +95,17 @@ async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> 
                 return resp.body(Body::from(body.to_string())).unwrap();
             }
             Fault::Delay(d) => {
+                // The request is on the wire: it reaches the API server after the delay even
+                // if its sender has given up on it meanwhile.
                 s.delayed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::time::sleep(*d).await;
-                let _done = DelayDone(s.delayed.clone());
-                return send(&s, req, path).await;
+                let (d, shared) = (*d, s.clone());
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move {
+                    let _done = DelayDone(shared.delayed.clone());
+                    tokio::time::sleep(d).await;
+                    let _ = tx.send(send(&shared, req, path).await);
+                });
+                return rx.await.unwrap_or_else(|_| Response::builder().status(502).body(Body::empty()).unwrap());
             }
             Fault::Drop => {
                 // A body that fails at once: the server aborts the connection.
