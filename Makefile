@@ -13,6 +13,10 @@ help: ## List the targets
 controlplane: ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
 	@bash hack/build-controlplane.sh >/dev/null
 
+.PHONY: argocd
+argocd: ## Build (or reuse cached) Argo CD's controller and repo server, kustomize and helm for the GitOps tests
+	@bash hack/build-argocd.sh >/dev/null
+
 .PHONY: crds
 crds: ## Regenerate the CRD YAML (config/crd/bases, charts/capo/crds) and config/webhook from the code
 	cargo run -q --bin crdgen
