@@ -252,8 +252,11 @@ pub async fn install(client: &Client, dir: &Path, namespace: &str) -> Result<(),
     // argocd-server writes server.secretkey on its first start; there is no argocd-server here.
     let secret = json!({ "metadata": { "name": "argocd-secret", "labels": labels },
                          "stringData": { "server.secretkey": random_key()? } });
-    create_if_absent(&Api::<Secret>::namespaced(client.clone(), namespace), serde_json::from_value(secret).expect("secret"))
-        .await?;
+    create_if_absent(
+        &Api::<Secret>::namespaced(client.clone(), namespace),
+        serde_json::from_value(secret).expect("secret"),
+    )
+    .await?;
     let projects = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &app_project());
     let default = json!({ "apiVersion": "argoproj.io/v1alpha1", "kind": "AppProject",
         "metadata": { "name": "default", "namespace": namespace },
@@ -334,7 +337,11 @@ async fn install_crds(client: &Client, dir: &Path) -> Result<(), Error> {
                 break;
             }
             if Instant::now() > deadline {
-                return Err(Error::Timeout { what: format!("CRD {name} Established"), after: limit, state_dir: dir.into() });
+                return Err(Error::Timeout {
+                    what: format!("CRD {name} Established"),
+                    after: limit,
+                    state_dir: dir.into(),
+                });
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
