@@ -65,6 +65,7 @@ pub struct GitRepo {
 
 impl GitRepo {
     pub fn with_capo_layout(name: &str) -> GitRepo {
+        sweep_stale_repos();
         let dir = std::env::temp_dir().join(format!("capo-gitops-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let (work, bare) = (dir.join("work"), dir.join("capo.git"));
@@ -149,6 +150,20 @@ impl GitRepo {
         let bare = self.dir.join("capo.git");
         self.git(&["push", "-q", bare.to_str().unwrap(), "main"]);
         self.git(&["rev-parse", "HEAD"]).trim().to_string()
+    }
+}
+
+/// Removes the repositories of test binaries that are gone (killed before their Drop).
+fn sweep_stale_repos() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix("capo-gitops-").and_then(|r| r.split('-').next()?.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
