@@ -20,6 +20,7 @@ use serde_json::json;
 #[allow(unused_imports)]
 pub use capo_testenv::TestNamespace;
 
+pub mod argocd;
 pub mod audit;
 pub mod faults;
 pub mod leading;

@@ -8,6 +8,7 @@
 //! - [`TestNamespace`] gives each test its own namespace.
 //! - The `capo-testenv` binary behind `make testenv-up`/`testenv-down` runs the same code.
 
+pub mod argocd;
 mod binaries;
 pub mod ipam;
 mod kubeconfig;
@@ -368,6 +369,18 @@ fn sweep_stale(root: &Path) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
+}
+
+/// A state directory for something a test binary starts next to a control plane it is
+/// attached to (`CAPO_TEST_KUBECONFIG`); removed by the next start's sweep once the test
+/// binary is gone.
+fn attached_state_dir(what: &str) -> PathBuf {
+    let root = test_state_root();
+    sweep_stale(&root);
+    let dir = root.join(format!("{}-{what}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(dir.join("pid"), std::process::id().to_string());
+    dir
 }
 
 /// The control plane a test binary talks to.

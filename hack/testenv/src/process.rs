@@ -13,18 +13,38 @@ use crate::Error;
 pub struct Component {
     pub name: &'static str,
     child: Child,
-    bin_dir: std::path::PathBuf,
-    args: Vec<String>,
+    launch: Launch,
+}
+
+/// What a component runs: the program, its flags, and environment variables added to
+/// (or, with `None`, removed from) the test process's own.
+#[derive(Clone, Debug, Default)]
+pub struct Launch {
+    pub program: std::path::PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, Option<String>)>,
 }
 
 impl Component {
+    /// Runs `bin_dir/name` with `args`.
     pub fn spawn(name: &'static str, bin_dir: &Path, args: &[String], state_dir: &Path) -> Result<Self, Error> {
+        let launch = Launch { program: bin_dir.join(name), args: args.to_vec(), env: vec![] };
+        Self::launch(name, launch, state_dir)
+    }
+
+    /// Runs `launch`, logging to `<state_dir>/<name>.log`.
+    pub fn launch(name: &'static str, launch: Launch, state_dir: &Path) -> Result<Self, Error> {
         let log_path = state_dir.join(format!("{name}.log"));
         let log = File::create(&log_path).map_err(|source| Error::Io { path: log_path.clone(), source })?;
         let log_err = log.try_clone().map_err(|source| Error::Io { path: log_path.clone(), source })?;
-        let bin = bin_dir.join(name);
-        let mut cmd = Command::new(&bin);
-        cmd.args(args).stdin(Stdio::null()).stdout(log).stderr(log_err);
+        let mut cmd = Command::new(&launch.program);
+        cmd.args(&launch.args).stdin(Stdio::null()).stdout(log).stderr(log_err);
+        for (key, value) in &launch.env {
+            match value {
+                Some(v) => cmd.env(key, v),
+                None => cmd.env_remove(key),
+            };
+        }
         // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
@@ -34,14 +54,14 @@ impl Component {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|source| Error::Io { path: bin, source })?;
-        Ok(Self { name, child, bin_dir: bin_dir.to_path_buf(), args: args.to_vec() })
+        let child = cmd.spawn().map_err(|source| Error::Io { path: launch.program.clone(), source })?;
+        Ok(Self { name, child, launch })
     }
 
     /// Stops the process (SIGTERM, then SIGKILL) and starts it again with the same flags.
     pub fn restart(&mut self, state_dir: &Path) -> Result<(), Error> {
         self.stop(Duration::from_secs(10));
-        *self = Self::spawn(self.name, &self.bin_dir.clone(), &self.args.clone(), state_dir)?;
+        *self = Self::launch(self.name, self.launch.clone(), state_dir)?;
         Ok(())
     }
 
