@@ -326,6 +326,7 @@ fn leading(ns: &str) -> capo::app::ReleaseSettings {
             plan: capo::release::PlanSettings { settle: Duration::from_secs(1), ..Default::default() },
             policy_prefix: Some(format!("{ns}-")),
             excluded_namespaces: vec!["kube-system".into()],
+            ..Default::default()
         },
         identity: "gitops".into(),
     }
