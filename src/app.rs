@@ -150,7 +150,7 @@ impl App {
         }
         let mut tasks = Tasks(vec![
             tokio::spawn(namespaces.clone().watch(client.clone(), readiness.clone())),
-            tokio::spawn(pods.clone().watch(client.clone(), readiness.clone())),
+            tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
         ]);
         for group in &watched {
             tasks.push(tokio::spawn(index.clone().watch(client.clone(), *group)));

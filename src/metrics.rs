@@ -28,6 +28,8 @@ pub struct Metrics {
     pub policy_status_writes: prometheus::IntCounter,
     /// CapoPolicy watch events this replica handled (changes and deletions).
     pub policy_events: prometheus::IntCounter,
+    /// Pod watch events the Pod store handled (changes and deletions, of every Pod).
+    pub pod_events: prometheus::IntCounter,
     /// Hold writes that finished after their review was answered, by outcome (kept: the
     /// deletion was allowed; taken_back: it was denied; failed).
     pub late_hold_writes: IntCounterVec,
@@ -302,6 +304,9 @@ impl Metrics {
         let policy_events = prometheus::IntCounter::new("policy_events_total", "CapoPolicy watch events handled.")
             .expect("static metric");
         registry.register(Box::new(policy_events.clone())).expect("unique metric");
+        let pod_events =
+            prometheus::IntCounter::new("pod_events_total", "Pod watch events handled.").expect("static metric");
+        registry.register(Box::new(pod_events.clone())).expect("unique metric");
         let release = ReleaseMetrics::new(&registry);
         let tls = TlsMetrics::new(&registry);
         Self {
@@ -317,6 +322,7 @@ impl Metrics {
             policies,
             policy_status_writes,
             policy_events,
+            pod_events,
             pod_cache_misses,
             namespace_cache_misses,
         }

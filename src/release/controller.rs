@@ -15,6 +15,7 @@ use std::time::Duration;
 use capo_api::CalicoApiGroup;
 use capo_api::keys::RELEASED_ANNOTATION;
 use capo_api::reserved_ip::record_name;
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -705,12 +706,13 @@ impl Ctx {
         if !back.is_empty() {
             self.pacer.lock().expect("pacer lock").put_back(policy, back);
         }
-        let mut result = Ok(());
-        for l in &gone {
-            if result.is_ok() {
-                result = self.finish_release(l).await;
-            }
-        }
+        // The records go concurrently (a slot of a large policy releases hundreds).
+        let results: Vec<Result<(), ReleaseError>> = futures::stream::iter(gone.clone())
+            .map(|l| async move { self.finish_release(&l).await })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        let result = results.into_iter().find(Result::is_err).unwrap_or(Ok(()));
         let more = {
             let mut pacer = self.pacer.lock().expect("pacer lock");
             pacer.finish(gone.iter().map(Leaving::name));

@@ -116,7 +116,8 @@ impl PodStore {
     }
 
     /// Keeps the store current until the task is dropped.
-    pub async fn watch(self: Arc<Self>, client: Client, readiness: Arc<Readiness>) {
+    /// `events` counts the changes and deletions handled.
+    pub async fn watch(self: Arc<Self>, client: Client, readiness: Arc<Readiness>, events: prometheus::IntCounter) {
         let api = Api::<DeserializeGuard<TrimmedPod>>::all(client);
         let mut listing: Vec<Arc<PodFacts>> = Vec::new();
         guarded_watch("pods", api, watcher::Config::default(), |change| match change {
@@ -141,6 +142,7 @@ impl PodStore {
             }
             Change::Apply { object, initial: false } => {
                 readiness.watch_ok("pods");
+                events.inc();
                 let (namespace, name) = (object.namespace().unwrap_or_default(), object.name_any());
                 {
                     let mut inner = self.inner.write().expect("pod store lock");
@@ -154,6 +156,7 @@ impl PodStore {
             }
             Change::Delete(object) => {
                 readiness.watch_ok("pods");
+                events.inc();
                 let key = (object.namespace().unwrap_or_default(), object.name_any());
                 self.inner.write().expect("pod store lock").remove(&key);
                 self.changed(key.0, key.1);
