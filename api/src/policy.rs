@@ -190,7 +190,7 @@ pub struct ReleaseEarly {
     pub namespace_deleted: bool,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.minReserveFor) || !has(self.maxReserveFor) || duration(self.minReserveFor) <= duration(self.maxReserveFor)").message("podOverrides.minReserveFor must not exceed podOverrides.maxReserveFor"))]
 pub struct PodOverrides {
@@ -210,12 +210,6 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     pub max_reserve_for: Option<String>,
-}
-
-impl Default for PodOverrides {
-    fn default() -> Self {
-        Self { allow_opt_in: false, min_reserve_for: None, max_reserve_for: None }
-    }
 }
 
 /// Health only; counters live in metrics (status churn would make Argo CD re-sync).

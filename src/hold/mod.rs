@@ -92,8 +92,7 @@ impl HoldWriter {
         let held: Vec<Held> = held.into_iter().map(Result::unwrap).collect();
         let mut created = Vec::new();
         let mut failures = Vec::new();
-        for e in errors {
-            let (errs, record) = e.err().expect("partitioned");
+        for (errs, record) in errors.into_iter().filter_map(Result::err) {
             failures.extend(errs);
             created.extend(record);
         }

@@ -39,7 +39,7 @@ pub enum Change<K> {
     /// The list is complete.
     Listed,
     /// An object that could not be decoded (reported once per version by the watch).
-    Invalid(InvalidObject),
+    Invalid(Box<InvalidObject>),
     /// The watch failed (it retries with backoff).
     Failed(String),
 }
@@ -62,15 +62,15 @@ pub async fn guarded_watch<K, F>(
             Ok(watcher::Event::Init) => Change::Restart,
             Ok(watcher::Event::InitApply(DeserializeGuard(o))) => match o {
                 Ok(object) => Change::Apply { object, initial: true },
-                Err(bad) => Change::Invalid(bad),
+                Err(bad) => Change::Invalid(Box::new(bad)),
             },
             Ok(watcher::Event::Apply(DeserializeGuard(o))) => match o {
                 Ok(object) => Change::Apply { object, initial: false },
-                Err(bad) => Change::Invalid(bad),
+                Err(bad) => Change::Invalid(Box::new(bad)),
             },
             Ok(watcher::Event::Delete(DeserializeGuard(o))) => match o {
                 Ok(object) => Change::Delete(object),
-                Err(bad) => Change::Invalid(bad),
+                Err(bad) => Change::Invalid(Box::new(bad)),
             },
             Ok(watcher::Event::InitDone) => Change::Listed,
             Err(e) => {

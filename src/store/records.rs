@@ -30,7 +30,10 @@ struct Inner {
     by_controller: HashMap<(String, String, String), BTreeSet<String>>,
 }
 
-fn keys(r: &ReservedIP) -> ((String, String), String, String, Option<(String, String, String)>) {
+/// (namespace, pod name), policy, namespace, (namespace, controller kind, controller name).
+type RecordKeys = ((String, String), String, String, Option<(String, String, String)>);
+
+fn keys(r: &ReservedIP) -> RecordKeys {
     let p = &r.spec.pod;
     (
         (p.namespace.clone(), p.name.clone()),

@@ -38,10 +38,12 @@ impl AuditEvent {
         let ops = self.request.as_array().cloned().unwrap_or_default();
         let mut out = Vec::new();
         for pair in ops.windows(2) {
-            if pair[1]["op"] == "remove" && pair[0]["op"] == "test" && pair[0]["path"] == pair[1]["path"] {
-                if let Some(e) = pair[0]["value"].as_str() {
-                    out.push(e.to_string());
-                }
+            if pair[1]["op"] == "remove"
+                && pair[0]["op"] == "test"
+                && pair[0]["path"] == pair[1]["path"]
+                && let Some(e) = pair[0]["value"].as_str()
+            {
+                out.push(e.to_string());
             }
         }
         out
