@@ -4,7 +4,10 @@
 #            ~/.cache/capo/tools/helm-<version>/helm (about 2 minutes, once)
 #   lua5.1   runs Argo CD's health-check tests (tests/argocd.rs)
 #   promtool checks and tests the alerts (tests/prometheus.rs), from Debian's prometheus
+#   redis-server  Argo CD's cache (tests/gitops.rs, make try-argocd), from Debian's
+#            redis-server; started by the tests on a free port, never as a service
 #   kubectl  applies and renders manifests (tests/install.rs, tests/admission.rs)
+#   faketime libfaketime, to run one capo replica with its clock ahead (tests/failover.rs)
 #   CRDs     of Argo CD, cert-manager and the Prometheus operator (see below)
 # Debian packages via apt-get (root, or sudo when available).
 set -euo pipefail
@@ -47,6 +50,8 @@ ln -sfn "$crd_key" "${XDG_CACHE_HOME:-$HOME/.cache}/capo/crds/current"
 missing=()
 command -v lua5.1 >/dev/null 2>&1 || missing+=(lua5.1)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v faketime >/dev/null 2>&1 || missing+=(faketime)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 if ((${#missing[@]} == 0)); then
   exit 0
 fi
@@ -58,10 +63,18 @@ fi
 log "installing ${missing[*]} (Debian packages)"
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq >/dev/null
+# No service is started by the packages' scripts (Debian's policy-rc.d convention): the
+# tests start redis themselves. Where a policy already exists (containers), it stays.
+policy=/usr/sbin/policy-rc.d
+own_policy=false
+if [[ ! -e "$policy" ]]; then
+  printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod 0755 "$policy" && own_policy=true
+fi
 $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+if $own_policy; then $sudo rm -f "$policy"; fi
 # The prometheus package enables a server; capo only needs its promtool.
 if [[ " ${missing[*]} " == *" prometheus "* ]]; then
   $sudo pkill -x prometheus 2>/dev/null || true
 fi
-command -v lua5.1 >/dev/null && command -v promtool >/dev/null
+command -v lua5.1 >/dev/null && command -v promtool >/dev/null && command -v faketime >/dev/null && command -v redis-server >/dev/null
 log "done"

@@ -13,16 +13,17 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 use crate::admission::{Admission, AdmissionSettings};
-use crate::cache::Caches;
+use crate::calico::{ReservationIndex, Reservations, detect_calico_api};
 use crate::certs::managed::{Injected, ManagedError, ManagedSettings};
 use crate::certs::{self, CertError, ServingCert};
 use crate::health::{self, Readiness};
-use crate::hold::{HoldWriter, detect_calico_api};
+use crate::hold::HoldWriter;
 use crate::leader::{Election, Fence, LeaderError, LeaderSettings};
 use crate::metrics::Metrics;
 use crate::policy::{Matcher, PolicyController, SharedMatcher};
 use crate::release::{EngineSettings, ReleaseEngine};
 use crate::server::{ServerError, WebhookServer};
+use crate::store::{NamespaceStore, PodStore};
 use crate::webhook_config::{self, Registration};
 
 /// Where the webhook's serving certificate comes from.
@@ -106,6 +107,8 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
     pub matcher: SharedMatcher,
+    /// The one Pod store (admission and leader).
+    pub pods: Arc<PodStore>,
     client: Client,
     registered: Option<String>,
     server: Option<WebhookServer>,
@@ -122,41 +125,73 @@ impl App {
     /// Starts everything and returns once the caches are synced and the webhook serves
     /// (and, when self-registering, is registered).
     pub async fn start(client: Client, settings: Settings) -> Result<App, AppError> {
+        Self::start_with_leader_client(client.clone(), client, settings).await
+    }
+
+    /// As [`App::start`], with a second client for the leader's writes: one without kube's
+    /// retry layer, so that no write is re-sent after this replica stopped leading.
+    pub async fn start_with_leader_client(
+        client: Client,
+        leader_client: Client,
+        settings: Settings,
+    ) -> Result<App, AppError> {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let metrics = Arc::new(Metrics::new());
         let readiness = Arc::new(Readiness::new(settings.watch_failure_grace));
-        let caches = Arc::new(Caches::default());
+        let pods = Arc::new(PodStore::default());
+        let namespaces = Arc::new(NamespaceStore::default());
+        let index = Arc::new(ReservationIndex::default());
         let matcher: SharedMatcher = Arc::new(ArcSwap::from_pointee(Matcher::default()));
-        let calico_api = match settings.calico_api {
-            Some(api) => api,
-            None => detect_calico_api(&client).await,
+        let calico = detect_calico_api(&client, settings.calico_api).await;
+        let calico_api = calico.chosen;
+        let mut watched = calico.served.clone();
+        if !watched.contains(&calico_api) {
+            watched.push(calico_api);
+        }
+        let mut tasks = Tasks(vec![
+            tokio::spawn(namespaces.clone().watch(client.clone(), readiness.clone())),
+            tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
+        ]);
+        for group in &watched {
+            tasks.push(tokio::spawn(index.clone().watch(client.clone(), *group)));
+        }
+        // The epoch a new leader takes is above every epoch on capo's reservations.
+        let floor: crate::leader::EpochFloor = {
+            let index = index.clone();
+            Arc::new(move || index.all().values().filter_map(|(_, v)| v.epoch).max().unwrap_or(0))
         };
         // Every replica takes part in the election; only the leader releases and writes
         // policy status.
         let (election, fence) = match settings.release.as_ref().map(|r| &r.election) {
             None => (None, None),
             Some(Some(leader)) => {
-                let election = Election::start(client.clone(), leader.clone()).await?;
+                let election = Election::start(leader_client.clone(), leader.clone(), floor).await?;
                 let fence = election.fence.clone();
                 (Some(election), Some(fence))
             }
-            Some(None) => (None, Some(Fence::always())),
+            Some(None) => {
+                let synced = async {
+                    for g in &calico.served {
+                        index.synced(*g).await;
+                    }
+                };
+                let _ = tokio::time::timeout(settings.sync_timeout, synced).await;
+                (None, Some(Fence::always(floor() + 1)))
+            }
         };
-        let mut tasks = Tasks(vec![
-            tokio::spawn(
-                PolicyController::new(
-                    client.clone(),
-                    matcher.clone(),
-                    readiness.clone(),
-                    metrics.clone(),
-                    settings.field_manager.clone(),
-                    fence.clone(),
-                )
-                .run(),
-            ),
-            tokio::spawn(caches.clone().watch_namespaces(client.clone(), readiness.clone())),
-            tokio::spawn(caches.clone().watch_pods(client.clone(), readiness.clone())),
-        ]);
+        let (policy_changes, _) = tokio::sync::broadcast::channel(64);
+        tasks.push(tokio::spawn(
+            PolicyController::new(
+                client.clone(),
+                matcher.clone(),
+                readiness.clone(),
+                metrics.clone(),
+                settings.field_manager.clone(),
+                fence.clone(),
+                policy_changes.clone(),
+            )
+            .run(),
+        ));
 
         let serving = ServingCert::new(Some(metrics.tls.clone()));
         let (trust, trusted) = tokio::sync::watch::channel(match settings.inject_ca_bundle {
@@ -208,10 +243,12 @@ impl App {
             }
         }
 
+        let reservations = Reservations::new(client.clone(), calico_api, index.clone());
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
-            caches,
-            store: HoldWriter::new(client.clone(), calico_api),
+            pods: pods.clone(),
+            namespaces: namespaces.clone(),
+            store: HoldWriter::new(client.clone(), reservations),
             client: client.clone(),
             metrics: metrics.clone(),
             readiness: readiness.clone(),
@@ -259,11 +296,15 @@ impl App {
 
         if let (Some(release), Some(fence)) = (&settings.release, &fence) {
             let engine = Arc::new(ReleaseEngine {
-                client: client.clone(),
-                group: calico_api,
+                client: leader_client.clone(),
+                reservations: Reservations::new(leader_client.clone(), calico_api, index.clone()),
+                served: watched.clone(),
+                pods: pods.clone(),
+                namespaces: namespaces.clone(),
+                matcher: matcher.clone(),
+                policy_changes: policy_changes.clone(),
                 settings: release.engine.clone(),
                 metrics: metrics.clone(),
-                matcher: matcher.clone(),
                 identity: release.identity.clone(),
             });
             tasks.push(tokio::spawn(lead(engine, fence.clone(), metrics.clone())));
@@ -294,6 +335,7 @@ impl App {
             metrics,
             readiness,
             matcher,
+            pods,
             client,
             registered,
             server: Some(server),
@@ -325,7 +367,7 @@ impl App {
 }
 
 /// Runs the release engine whenever this replica leads, and stops it the moment it does not.
-async fn lead(engine: Arc<ReleaseEngine>, mut fence: Fence, metrics: Arc<Metrics>) {
+async fn lead(engine: Arc<ReleaseEngine>, fence: Fence, metrics: Arc<Metrics>) {
     loop {
         fence.acquired().await;
         metrics.release.leader.set(1);

@@ -210,6 +210,11 @@ pub struct Args {
     #[arg(long, env = "CAPO_KEPT_POD_GRACE", default_value = "10m")]
     pub kept_pod_grace: capo_api::Duration,
 
+    /// How many holds, policies and reservations the leader works on at once (status
+    /// writes, releases, repairs, safety-net holds).
+    #[arg(long, env = "CAPO_RELEASE_WORKERS", default_value_t = 8)]
+    pub workers: usize,
+
     /// How long a record without its reservation entry (or an entry without a record)
     /// must stay so before the leader repairs it.
     #[arg(long, env = "CAPO_REPAIR_SETTLE", default_value = "5s")]
@@ -257,12 +262,17 @@ pub fn calico_api(flag: &str) -> Result<Option<CalicoApiGroup>, capo_api::calico
 }
 
 /// The host name and process id: unique among replicas when POD_NAME is not set.
-fn default_identity() -> String {
+pub fn default_identity() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
     format!("{}-{}", if host.is_empty() { "capo" } else { &host }, std::process::id())
 }
 
 impl Args {
+    /// This replica's identity: `--identity`, or the host name and process id.
+    pub fn identity(&self) -> String {
+        self.identity.clone().filter(|i| !i.is_empty()).unwrap_or_else(default_identity)
+    }
+
     pub fn settings(&self) -> Result<Settings, ArgsError> {
         let calico_api = calico_api(&self.calico_api)?;
         let mut excluded = self.excluded_namespaces.clone();
@@ -329,7 +339,7 @@ impl Args {
     }
 
     fn release_settings(&self, excluded: &[String]) -> Result<ReleaseSettings, ArgsError> {
-        let identity = self.identity.clone().filter(|i| !i.is_empty()).unwrap_or_else(default_identity);
+        let identity = self.identity();
         let election = self.leader_elect.then(|| LeaderSettings {
             lease_name: self.lease_name.clone(),
             namespace: self.namespace.clone(),
@@ -353,6 +363,7 @@ impl Args {
                 },
                 policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),
                 excluded_namespaces: excluded.to_vec(),
+                workers: self.workers.max(1),
             },
         })
     }

@@ -40,6 +40,20 @@ pub fn client(config: Config, nodelay: bool) -> Result<Client, kube::Error> {
 
 /// The client from the environment (in-cluster, or the kubeconfig).
 pub async fn infer(nodelay: bool) -> Result<Client, kube::Error> {
-    let config = Config::infer().await.map_err(kube::Error::InferConfig)?;
-    client(config, nodelay)
+    client(Config::infer().await.map_err(kube::Error::InferConfig)?, nodelay)
+}
+
+/// capo's two clients: one for everything, and one for the leader's writes without kube's
+/// retry of 429/503/504 — a write the leader decided must not be sent again after it
+/// stopped leading. Both name the replica in their `User-Agent` (audit logs show who
+/// wrote what).
+pub async fn infer_pair(nodelay: bool, identity: &str) -> Result<(Client, Client), kube::Error> {
+    let mut config = Config::infer().await.map_err(kube::Error::InferConfig)?;
+    let agent = format!("capo/{} ({identity})", env!("CARGO_PKG_VERSION"));
+    if let Ok(value) = axum::http::HeaderValue::from_str(&agent) {
+        config.headers.push((axum::http::header::USER_AGENT, value));
+    }
+    let mut leader = config.clone();
+    leader.default_retry = false;
+    Ok((client(config, nodelay)?, client(leader, nodelay)?))
 }

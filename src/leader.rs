@@ -1,20 +1,37 @@
-//! Leader election on a `coordination.k8s.io/v1` Lease (kube-lease-manager), and the
-//! fence every leader-only write passes.
+//! Leader election on a `coordination.k8s.io/v1` Lease, and the fence every leader-only
+//! write passes.
 //!
 //! Every replica serves the webhook; only the holder of the Lease releases, repairs, runs
-//! the safety net and writes policy status. The fence is stricter than "the lease
-//! manager said so": a replica counts as leader only while it has read the Lease back
-//! with itself as holder within the last `duration - grace`, so a replica cut off from the
-//! API server stops writing before anyone else can take the Lease over.
+//! the safety net and writes policy status.
+//!
+//! **Clocks.** No decision compares one machine's clock with another's. A follower takes
+//! the Lease over only when it has seen no change of it for the Lease's whole duration,
+//! measured on its own monotonic clock; the holder stops acting as leader when it has not
+//! renewed for `duration - grace`, measured the same way from the start of its last
+//! successful renewal. So two replicas whose wall clocks disagree by any amount never lead
+//! at once because of it (`renewTime` and `acquireTime` are written for people to read).
+//!
+//! **Fencing.** Every acquisition raises the Lease's `leaseTransitions`; that number is
+//! the leader's epoch. A new leader stamps it on every capo-owned reservation before its
+//! first write, and every leader write to a reservation tests it ([`crate::calico`]): a
+//! replica that lost the Lease — paused, cut off, or with a write still in flight — has
+//! its writes refused by the API server. Record writes are conditional on the version the
+//! leader read. Writes are never retried once the fence is closed.
+//!
+//! **Handover.** On shutdown the holder clears `holderIdentity`; the followers watch the
+//! Lease and take it at once.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::coordination::v1::Lease;
-use kube::Client;
-use kube::api::Api;
-use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
-use tokio::sync::watch;
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Error as KubeError};
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
@@ -26,16 +43,29 @@ pub struct LeaderSettings {
     pub namespace: String,
     /// This replica's identity (the Pod name).
     pub identity: String,
-    /// How long a Lease is valid without renewal.
+    /// How long a Lease stays valid without a renewal, as followers count it.
     pub duration: Duration,
-    /// How long before expiry the holder renews.
+    /// How much earlier than that the holder stops acting as leader if it cannot renew.
     pub grace: Duration,
+}
+
+impl LeaderSettings {
+    /// How often the holder renews and a follower looks again without news.
+    fn retry(&self) -> Duration {
+        ((self.duration - self.grace) / 4).max(Duration::from_millis(100))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaderError {
+    #[error(
+        "Lease {namespace}/{name}: the namespace {namespace} does not exist. Create it, run capo with \
+         --namespace (POD_NAMESPACE) naming its own namespace, or turn leader election off with \
+         --leader-elect=false (a single replica)"
+    )]
+    NoNamespace { namespace: String, name: String },
     #[error("Lease {namespace}/{name}: {source}")]
-    Lease { namespace: String, name: String, source: kube_lease_manager::LeaseManagerError },
+    Lease { namespace: String, name: String, source: KubeError },
     #[error("lease duration {duration:?} must be longer than the renewal grace {grace:?}, both at least 1s")]
     Timing { duration: Duration, grace: Duration },
 }
@@ -44,149 +74,371 @@ pub enum LeaderError {
 #[error("this replica does not hold the Lease (or could not confirm it in time)")]
 pub struct NotLeader;
 
-/// Whether this replica may do leader-only writes right now.
+struct FenceState {
+    leading: watch::Sender<bool>,
+    /// The holder acts as leader until then (monotonic).
+    deadline: Mutex<Option<Instant>>,
+    epoch: AtomicU64,
+    /// Set when a write found a newer epoch: this replica stops leading at once.
+    revoked: AtomicBool,
+    /// Wakes the election when the fence is revoked.
+    kick: Notify,
+}
+
+/// Whether this replica may do leader-only writes right now, and under which epoch.
 #[derive(Clone)]
 pub struct Fence {
-    leading: watch::Receiver<bool>,
-    confirmed_until: Arc<Mutex<Option<Instant>>>,
-    /// The sender of a [`Fence::always`] fence, kept alive with it.
-    _fixed: Option<Arc<watch::Sender<bool>>>,
+    state: Arc<FenceState>,
 }
 
 impl Fence {
+    fn new() -> Self {
+        Self {
+            state: Arc::new(FenceState {
+                leading: watch::Sender::new(false),
+                deadline: Mutex::new(None),
+                epoch: AtomicU64::new(0),
+                revoked: AtomicBool::new(false),
+                kick: Notify::new(),
+            }),
+        }
+    }
+
     pub fn check(&self) -> Result<(), NotLeader> {
-        let confirmed = self.confirmed_until.lock().expect("fence lock").is_some_and(|t| Instant::now() < t);
-        if *self.leading.borrow() && confirmed { Ok(()) } else { Err(NotLeader) }
+        let s = &self.state;
+        let in_time = s.deadline.lock().expect("fence lock").is_some_and(|d| Instant::now() < d);
+        if *s.leading.borrow() && in_time && !s.revoked.load(Ordering::SeqCst) { Ok(()) } else { Err(NotLeader) }
     }
 
     pub fn is_leader(&self) -> bool {
         self.check().is_ok()
     }
 
-    /// Waits until this replica leads (and has confirmed it).
-    pub async fn acquired(&mut self) {
+    /// The epoch of this replica's leadership (the Lease's `leaseTransitions` it wrote).
+    pub fn epoch(&self) -> u64 {
+        self.state.epoch.load(Ordering::SeqCst)
+    }
+
+    /// A write found a newer leader: stop leading now.
+    pub fn revoke(&self) {
+        if !self.state.revoked.swap(true, Ordering::SeqCst) {
+            warn!(epoch = self.epoch(), "a newer leader's epoch is on capo's reservations; this replica stops leading");
+            self.state.kick.notify_one();
+        }
+    }
+
+    /// Waits until this replica leads.
+    pub async fn acquired(&self) {
+        let mut rx = self.state.leading.subscribe();
         loop {
             if self.is_leader() {
                 return;
             }
             tokio::select! {
-                _ = self.leading.changed() => {}
+                _ = rx.changed() => {}
                 _ = tokio::time::sleep(Duration::from_millis(200)) => {}
             }
         }
     }
 
     /// Waits until this replica no longer leads.
-    pub async fn lost(&mut self) {
+    pub async fn lost(&self) {
+        let mut rx = self.state.leading.subscribe();
         loop {
             if !self.is_leader() {
                 return;
             }
+            let until = self.state.deadline.lock().expect("fence lock").unwrap_or_else(Instant::now);
             tokio::select! {
-                _ = self.leading.changed() => {}
+                _ = rx.changed() => {}
+                _ = tokio::time::sleep_until(until.into()) => {}
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
         }
     }
 
-    /// An always-open fence: leader election is off (`--leader-elect=false`, a single
-    /// replica), so this replica leads.
-    pub fn always() -> Self {
-        let (tx, rx) = watch::channel(true);
-        let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
-        Self { leading: rx, confirmed_until: Arc::new(Mutex::new(Some(forever))), _fixed: Some(Arc::new(tx)) }
+    /// Leader election is off (`--leader-elect=false`, a single replica): this replica
+    /// leads, under an epoch above every epoch on capo's reservations (`epoch`).
+    pub fn always(epoch: u64) -> Self {
+        let fence = Self::new();
+        fence.state.epoch.store(epoch, Ordering::SeqCst);
+        *fence.state.deadline.lock().expect("fence lock") =
+            Some(Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600));
+        fence.state.leading.send_replace(true);
+        fence
+    }
+
+    fn lead(&self, epoch: u64, deadline: Instant) {
+        self.state.epoch.store(epoch, Ordering::SeqCst);
+        self.state.revoked.store(false, Ordering::SeqCst);
+        *self.state.deadline.lock().expect("fence lock") = Some(deadline);
+        self.state.leading.send_replace(true);
+    }
+
+    fn extend(&self, deadline: Instant) {
+        *self.state.deadline.lock().expect("fence lock") = Some(deadline);
+    }
+
+    fn step_down(&self) {
+        *self.state.deadline.lock().expect("fence lock") = None;
+        self.state.leading.send_replace(false);
+    }
+
+    fn revoked(&self) -> bool {
+        self.state.revoked.load(Ordering::SeqCst)
+    }
+}
+
+/// What this replica last saw of the Lease, and when (its own monotonic clock).
+struct Seen {
+    lease: Option<Lease>,
+    changed_at: Instant,
+}
+
+impl Seen {
+    fn holder(&self) -> Option<&str> {
+        self.lease.as_ref()?.spec.as_ref()?.holder_identity.as_deref().filter(|h| !h.is_empty())
+    }
+
+    fn version(&self) -> Option<String> {
+        self.lease.as_ref()?.metadata.resource_version.clone()
     }
 }
 
 /// The running election: the fence, and what to stop on shutdown.
 pub struct Election {
     pub fence: Fence,
-    leading: Option<watch::Receiver<bool>>,
-    manager: JoinHandle<Result<LeaseManager, kube_lease_manager::LeaseManagerError>>,
-    confirm: JoinHandle<()>,
+    stop: Arc<Notify>,
+    task: JoinHandle<()>,
+    watch: JoinHandle<()>,
 }
 
+/// The lowest epoch a new leader may take: above every epoch already on capo's objects.
+pub type EpochFloor = Arc<dyn Fn() -> u64 + Send + Sync>;
+
 impl Election {
-    pub async fn start(client: Client, settings: LeaderSettings) -> Result<Election, LeaderError> {
-        let (d, g) = (settings.duration.as_secs(), settings.grace.as_secs());
-        if g == 0 || d <= g {
+    /// Checks the Lease can be used, then competes for it in the background.
+    pub async fn start(client: Client, settings: LeaderSettings, floor: EpochFloor) -> Result<Election, LeaderError> {
+        if settings.grace < Duration::from_secs(1) || settings.duration <= settings.grace {
             return Err(LeaderError::Timing { duration: settings.duration, grace: settings.grace });
         }
-        let manager = LeaseManagerBuilder::new(client.clone(), &settings.lease_name)
-            .with_namespace(&settings.namespace)
-            .with_identity(&settings.identity)
-            .with_duration(d)
-            .with_grace(g)
-            .build()
-            .await
-            .map_err(|source| LeaderError::Lease {
-                namespace: settings.namespace.clone(),
-                name: settings.lease_name.clone(),
-                source,
-            })?;
-        let (leading, manager) = manager.watch().await;
-        let confirmed_until = Arc::new(Mutex::new(None));
-        let confirm = tokio::spawn(confirm_loop(client, settings.clone(), leading.clone(), confirmed_until.clone()));
+        let api = Api::<Lease>::namespaced(client.clone(), &settings.namespace);
+        let err = |source: KubeError| match &source {
+            KubeError::Api(s) if s.code == 404 && s.details.as_ref().is_some_and(|d| d.kind == "namespaces") => {
+                LeaderError::NoNamespace { namespace: settings.namespace.clone(), name: settings.lease_name.clone() }
+            }
+            _ => {
+                LeaderError::Lease { namespace: settings.namespace.clone(), name: settings.lease_name.clone(), source }
+            }
+        };
+        let first = api.get_opt(&settings.lease_name).await.map_err(err)?;
+        if first.is_none() {
+            // Create it unheld, so that a missing namespace says so now, not in a retry loop.
+            let lease = Lease {
+                metadata: ObjectMeta { name: Some(settings.lease_name.clone()), ..Default::default() },
+                spec: Some(LeaseSpec { lease_transitions: Some(0), ..Default::default() }),
+            };
+            match api.create(&PostParams::default(), &lease).await {
+                Ok(_) => {}
+                Err(KubeError::Api(s)) if s.code == 409 => {}
+                Err(e) => return Err(err(e)),
+            }
+        }
+        let fence = Fence::new();
+        let seen = Arc::new(Mutex::new(Seen { lease: first, changed_at: Instant::now() }));
+        let news = Arc::new(Notify::new());
+        let stop = Arc::new(Notify::new());
+        let watch = tokio::spawn(watch_lease(api.clone(), settings.clone(), seen.clone(), news.clone()));
+        let task = tokio::spawn(
+            Campaign { api, settings: settings.clone(), fence: fence.clone(), seen, news, stop: stop.clone(), floor }
+                .run(),
+        );
         info!(lease = %settings.lease_name, namespace = %settings.namespace, identity = %settings.identity, "leader election started");
-        let fence = Fence { leading: leading.clone(), confirmed_until, _fixed: None };
-        Ok(Election { fence, leading: Some(leading), manager, confirm })
+        Ok(Election { fence, stop, task, watch })
     }
 
-    /// Gives the Lease up (so another replica takes over at once) and stops.
+    /// Gives the Lease up (another replica takes over at once) and stops.
     pub async fn stop(mut self) {
-        self.confirm.abort();
-        *self.fence.confirmed_until.lock().expect("fence lock") = None;
-        // The lease manager releases the Lease once every receiver is gone.
-        drop(self.leading.take());
-        drop(std::mem::replace(&mut self.fence.leading, watch::channel(false).1));
-        match tokio::time::timeout(Duration::from_secs(5), &mut self.manager).await {
-            Ok(Ok(Ok(_))) => info!("released the Lease"),
-            Ok(Ok(Err(e))) => warn!(error = %e, "could not release the Lease; it expires by itself"),
-            _ => warn!("the lease manager did not stop in time; the Lease expires by itself"),
+        self.stop.notify_one();
+        match tokio::time::timeout(Duration::from_secs(5), &mut self.task).await {
+            Ok(_) => {}
+            Err(_) => warn!("leader election did not stop in time; the Lease expires by itself"),
         }
+        self.watch.abort();
     }
 }
 
 impl Drop for Election {
+    /// Dropped without [`Election::stop`] (a crash, a failed start): the campaign ends and
+    /// the Lease expires by itself.
     fn drop(&mut self) {
-        self.confirm.abort();
+        self.watch.abort();
+        self.task.abort();
     }
 }
 
-/// Watches the Lease and extends the fence to `renewTime + duration - grace / 2` (in
-/// local time) whenever it shows this replica as holder: the holder renews `grace` before
-/// expiry, so a healthy leader's fence never closes, and one that cannot renew stops
-/// writing before any other replica can take the Lease (at `renewTime + duration`).
-async fn confirm_loop(
-    client: Client,
-    settings: LeaderSettings,
-    _leading: watch::Receiver<bool>,
-    confirmed_until: Arc<Mutex<Option<Instant>>>,
-) {
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, watcher};
-    let api = Api::<Lease>::namespaced(client, &settings.namespace);
+/// Keeps [`Seen`] current; wakes the campaign on every change.
+async fn watch_lease(api: Api<Lease>, settings: LeaderSettings, seen: Arc<Mutex<Seen>>, news: Arc<Notify>) {
     let config = watcher::Config::default().fields(&format!("metadata.name={}", settings.lease_name));
-    let margin = settings.grace / 2;
-    let mut leases = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
-    while let Some(event) = leases.next().await {
-        let lease = match event {
-            Ok(lease) => lease,
-            Err(e) => {
-                warn!(error = %e, "watching the Lease failed; the fence closes when it expires");
-                continue;
+    let mut events = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(lease) => {
+                observe(&seen, Some(lease));
+                news.notify_one();
             }
+            Err(e) => warn!(error = %e, "watching the Lease failed; retrying"),
+        }
+    }
+}
+
+/// Records a read of the Lease; the clock restarts only if it changed.
+fn observe(seen: &Mutex<Seen>, lease: Option<Lease>) {
+    let mut s = seen.lock().expect("lease lock");
+    let version = lease.as_ref().and_then(|l| l.metadata.resource_version.clone());
+    if version != s.version() || version.is_none() {
+        s.changed_at = Instant::now();
+    }
+    s.lease = lease;
+}
+
+struct Campaign {
+    api: Api<Lease>,
+    settings: LeaderSettings,
+    fence: Fence,
+    seen: Arc<Mutex<Seen>>,
+    news: Arc<Notify>,
+    stop: Arc<Notify>,
+    floor: EpochFloor,
+}
+
+impl Campaign {
+    async fn run(self) {
+        let retry = self.settings.retry();
+        loop {
+            let leading = self.fence.is_leader() && !self.fence.revoked();
+            if !leading && *self.fence.state.leading.borrow() {
+                self.fence.step_down();
+                info!(identity = %self.settings.identity, "stopped leading");
+            }
+            let outcome = if leading { self.renew().await } else { self.try_acquire().await };
+            if let Err(e) = outcome {
+                warn!(error = %e, "the Lease could not be written; trying again");
+            }
+            tokio::select! {
+                _ = self.stop.notified() => {
+                    self.release().await;
+                    return;
+                }
+                _ = self.news.notified(), if !self.fence.is_leader() => {}
+                _ = self.fence.state.kick.notified() => {}
+                _ = tokio::time::sleep(retry) => {}
+            }
+        }
+    }
+
+    fn now() -> MicroTime {
+        MicroTime(k8s_openapi::jiff::Timestamp::now())
+    }
+
+    /// Takes the Lease if nobody holds it, or its holder has not renewed it for a whole
+    /// `duration` by this replica's clock.
+    async fn try_acquire(&self) -> Result<(), KubeError> {
+        let (lease, free) = {
+            let s = self.seen.lock().expect("lease lock");
+            let expired = s.changed_at.elapsed() >= self.settings.duration;
+            let mine = s.holder() == Some(self.settings.identity.as_str());
+            (s.lease.clone(), s.holder().is_none() || expired || mine)
         };
-        let spec = lease.spec.unwrap_or_default();
-        let until = (spec.holder_identity.as_deref() == Some(settings.identity.as_str()))
-            .then_some(spec.renew_time)
-            .flatten()
-            .map(|t| {
-                let renewed = std::time::SystemTime::from(t.0);
-                let age = std::time::SystemTime::now().duration_since(renewed).unwrap_or_default();
-                let valid = settings.duration.saturating_sub(margin).saturating_sub(age);
-                Instant::now() + valid
-            });
-        *confirmed_until.lock().expect("fence lock") = until;
+        let Some(mut lease) = lease else {
+            self.refresh().await?;
+            return Ok(());
+        };
+        if !free {
+            return Ok(());
+        }
+        let transitions = lease.spec.as_ref().and_then(|s| s.lease_transitions).unwrap_or(0);
+        let epoch = (i64::from(transitions) + 1).max((self.floor)() as i64 + 1).min(i64::from(i32::MAX)) as i32;
+        let started = Instant::now();
+        lease.spec = Some(LeaseSpec {
+            holder_identity: Some(self.settings.identity.clone()),
+            lease_duration_seconds: Some(self.settings.duration.as_secs().max(1) as i32),
+            acquire_time: Some(Self::now()),
+            renew_time: Some(Self::now()),
+            lease_transitions: Some(epoch),
+            ..Default::default()
+        });
+        match self.api.replace(&self.settings.lease_name, &PostParams::default(), &lease).await {
+            Ok(written) => {
+                observe(&self.seen, Some(written));
+                self.fence.lead(epoch as u64, started + (self.settings.duration - self.settings.grace));
+                info!(identity = %self.settings.identity, epoch, "leading");
+                Ok(())
+            }
+            Err(KubeError::Api(s)) if s.code == 409 => self.refresh().await,
+            Err(KubeError::Api(s)) if s.code == 404 => self.refresh().await,
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Renews the Lease; steps down if someone else holds it now.
+    async fn renew(&self) -> Result<(), KubeError> {
+        let lease = self.seen.lock().expect("lease lock").lease.clone();
+        let Some(mut lease) = lease else { return self.refresh().await };
+        if lease.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) != Some(self.settings.identity.as_str()) {
+            self.fence.step_down();
+            info!(identity = %self.settings.identity, "the Lease is someone else's now; stopped leading");
+            return Ok(());
+        }
+        let started = Instant::now();
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.renew_time = Some(Self::now());
+        }
+        match self.api.replace(&self.settings.lease_name, &PostParams::default(), &lease).await {
+            Ok(written) => {
+                observe(&self.seen, Some(written));
+                self.fence.extend(started + (self.settings.duration - self.settings.grace));
+                Ok(())
+            }
+            Err(KubeError::Api(s)) if s.code == 409 || s.code == 404 => self.refresh().await,
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn refresh(&self) -> Result<(), KubeError> {
+        let lease = self.api.get_opt(&self.settings.lease_name).await?;
+        if lease.is_none() {
+            let fresh = Lease {
+                metadata: ObjectMeta { name: Some(self.settings.lease_name.clone()), ..Default::default() },
+                spec: Some(LeaseSpec { lease_transitions: Some(0), ..Default::default() }),
+            };
+            match self.api.create(&PostParams::default(), &fresh).await {
+                Ok(l) => observe(&self.seen, Some(l)),
+                Err(KubeError::Api(s)) if s.code == 409 => {}
+                Err(e) => return Err(e),
+            }
+            return Ok(());
+        }
+        observe(&self.seen, lease);
+        Ok(())
+    }
+
+    /// Gives the Lease up, if this replica holds it.
+    async fn release(&self) {
+        self.fence.step_down();
+        let lease = self.seen.lock().expect("lease lock").lease.clone();
+        let Some(mut lease) = lease else { return };
+        if lease.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) != Some(self.settings.identity.as_str()) {
+            return;
+        }
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.holder_identity = None;
+            spec.acquire_time = None;
+            spec.renew_time = None;
+        }
+        match self.api.replace(&self.settings.lease_name, &PostParams::default(), &lease).await {
+            Ok(_) => info!(identity = %self.settings.identity, "released the Lease"),
+            Err(e) => warn!(error = %e, "could not release the Lease; it expires by itself"),
+        }
     }
 }

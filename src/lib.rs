@@ -3,7 +3,7 @@
 
 pub mod admission;
 pub mod app;
-pub mod cache;
+pub mod calico;
 pub mod certs;
 pub mod cli;
 pub mod client;
@@ -17,6 +17,7 @@ pub mod pod;
 pub mod policy;
 pub mod release;
 pub mod server;
+pub mod store;
 pub mod telemetry;
 pub mod webhook_config;
 

@@ -23,8 +23,8 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(args: capo::cli::Args) -> Result<(), Box<dyn std::error::Error>> {
     let settings = args.settings()?;
-    let client = capo::client::infer(args.api_tcp_nodelay).await?;
-    let app = capo::App::start(client, settings).await?;
+    let (client, leader_client) = capo::client::infer_pair(args.api_tcp_nodelay, &args.identity()).await?;
+    let app = capo::App::start_with_leader_client(client, leader_client, settings).await?;
     shutdown_signal().await;
     info!("shutting down");
     app.shutdown().await;

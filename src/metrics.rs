@@ -26,6 +26,13 @@ pub struct Metrics {
     pub policies: IntGaugeVec,
     /// CapoPolicy status patches this replica sent.
     pub policy_status_writes: prometheus::IntCounter,
+    /// CapoPolicy watch events this replica handled (changes and deletions).
+    pub policy_events: prometheus::IntCounter,
+    /// Pod watch events the Pod store handled (changes and deletions, of every Pod).
+    pub pod_events: prometheus::IntCounter,
+    /// Hold writes that finished after their review was answered, by outcome (kept: the
+    /// deletion was allowed; taken_back: it was denied; failed).
+    pub late_hold_writes: IntCounterVec,
     /// Evictions whose Pod was not in the cache and had to be read from the API server.
     pub pod_cache_misses: IntCounterVec,
     /// Reviews whose Namespace was not in the cache yet and was read from the API server.
@@ -107,8 +114,19 @@ pub struct ReleaseMetrics {
     pub held: IntGaugeVec,
     /// The policy's `maxReserved`.
     pub max_reserved: IntGaugeVec,
-    /// Age of the oldest hold, by policy.
+    /// Age of the oldest hold, by policy (computed at each scrape from `oldest`).
     pub oldest_age: prometheus::GaugeVec,
+    oldest: std::sync::Mutex<std::collections::HashMap<String, k8s_openapi::jiff::Timestamp>>,
+    /// Valid CIDRs capo did not write, found in a policy's reservations (left in place).
+    pub foreign_entries: IntGaugeVec,
+    /// Failed leader writes that are retried with backoff, by policy.
+    pub retries: IntCounterVec,
+    /// Reconciles by kind of key (record, policy, release, shard, pod).
+    pub reconciles: IntCounterVec,
+    /// Keys waiting in the leader's work queue.
+    pub queue_depth: prometheus::IntGauge,
+    /// Pods leaving without a hold that the safety net did not hold, by reason.
+    pub safety_net_skipped: IntCounterVec,
     /// Releases by policy and reason (ttl, cap, manual, pod-kept, workload-gone, repair).
     pub releases: IntCounterVec,
     /// From a hold's due time to its entry leaving the reservation.
@@ -156,10 +174,26 @@ impl ReleaseMetrics {
         let leader =
             prometheus::IntGauge::new("leader", "1 while this replica holds the Lease.").expect("static metric");
         registry.register(Box::new(leader.clone())).expect("unique metric");
+        let queue_depth = prometheus::IntGauge::new("release_queue_depth", "Keys waiting in the leader's work queue.")
+            .expect("static metric");
+        registry.register(Box::new(queue_depth.clone())).expect("unique metric");
         Self {
             held: gauge("held_ips", "IPs held now, by policy (set by the leader)."),
             max_reserved: gauge("max_reserved", "The policy's maxReserved."),
             oldest_age,
+            oldest: Default::default(),
+            foreign_entries: gauge(
+                "foreign_entries",
+                "Valid CIDRs capo did not write, in a policy's reservations (left in place).",
+            ),
+            retries: counter("release_retries_total", "Failed leader writes retried with backoff.", &["policy"]),
+            reconciles: counter("reconciles_total", "Leader reconciles by kind of key.", &["kind"]),
+            queue_depth,
+            safety_net_skipped: counter(
+                "safety_net_skipped_total",
+                "Pods leaving without a hold that the safety net did not hold, by reason.",
+                &["reason"],
+            ),
             releases: counter("releases_total", "Held IPs released, by policy and reason.", &["policy", "reason"]),
             lateness,
             failures: counter(
@@ -175,6 +209,51 @@ impl ReleaseMetrics {
                 "Pods the safety net saw after their IP was already another Pod's.",
                 &["policy"],
             ),
+        }
+    }
+}
+
+impl ReleaseMetrics {
+    /// A policy's gauges: holds, cap, the oldest hold's reservedAt.
+    pub fn set_policy(
+        &self,
+        policy: &str,
+        held: usize,
+        max_reserved: Option<u32>,
+        oldest: Option<k8s_openapi::jiff::Timestamp>,
+    ) {
+        self.held.with_label_values(&[policy]).set(held as i64);
+        if let Some(max) = max_reserved {
+            self.max_reserved.with_label_values(&[policy]).set(i64::from(max));
+        } else {
+            let _ = self.max_reserved.remove_label_values(&[policy]);
+        }
+        let mut o = self.oldest.lock().expect("oldest lock");
+        match oldest {
+            Some(t) => {
+                o.insert(policy.to_string(), t);
+            }
+            None => {
+                o.remove(policy);
+                self.oldest_age.with_label_values(&[policy]).set(0.0);
+            }
+        }
+    }
+
+    /// A policy with no holds and no object any more: its series go.
+    pub fn forget_policy(&self, policy: &str) {
+        let _ = self.held.remove_label_values(&[policy]);
+        let _ = self.max_reserved.remove_label_values(&[policy]);
+        let _ = self.oldest_age.remove_label_values(&[policy]);
+        let _ = self.foreign_entries.remove_label_values(&[policy]);
+        self.oldest.lock().expect("oldest lock").remove(policy);
+    }
+
+    fn refresh_ages(&self) {
+        let now = k8s_openapi::jiff::Timestamp::now();
+        for (policy, t) in self.oldest.lock().expect("oldest lock").iter() {
+            let age = now.duration_since(*t).as_secs_f64().max(0.0);
+            self.oldest_age.with_label_values(&[policy]).set(age);
         }
     }
 }
@@ -196,6 +275,11 @@ impl Metrics {
         let hold_failures =
             counter("hold_failures_total", "Holds that could not be written.", &["policy", "action", "reason"]);
         let skipped = counter("admission_skipped_total", "Deletions capo did not hold, by reason.", &["reason"]);
+        let late_hold_writes = counter(
+            "late_hold_writes_total",
+            "Hold writes that finished after their review was answered, by outcome.",
+            &["outcome"],
+        );
         let pod_cache_misses =
             counter("pod_cache_misses_total", "Evictions whose Pod had to be read from the API server.", &["result"]);
         let namespace_cache_misses = counter(
@@ -217,6 +301,12 @@ impl Metrics {
             prometheus::IntCounter::new("policy_status_writes_total", "CapoPolicy status patches sent.")
                 .expect("static metric");
         registry.register(Box::new(policy_status_writes.clone())).expect("unique metric");
+        let policy_events = prometheus::IntCounter::new("policy_events_total", "CapoPolicy watch events handled.")
+            .expect("static metric");
+        registry.register(Box::new(policy_events.clone())).expect("unique metric");
+        let pod_events =
+            prometheus::IntCounter::new("pod_events_total", "Pod watch events handled.").expect("static metric");
+        registry.register(Box::new(pod_events.clone())).expect("unique metric");
         let release = ReleaseMetrics::new(&registry);
         let tls = TlsMetrics::new(&registry);
         Self {
@@ -228,14 +318,18 @@ impl Metrics {
             holds,
             hold_failures,
             skipped,
+            late_hold_writes,
             policies,
             policy_status_writes,
+            policy_events,
+            pod_events,
             pod_cache_misses,
             namespace_cache_misses,
         }
     }
 
     pub fn render(&self) -> String {
+        self.release.refresh_ages();
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
         String::from_utf8(buf).expect("prometheus text is UTF-8")

@@ -65,6 +65,7 @@ struct MetaWire {
     name: String,
     namespace: String,
     uid: String,
+    resource_version: Option<String>,
     labels: BTreeMap<String, String>,
     annotations: BTreeMap<String, String>,
     owner_references: Vec<OwnerWire>,
@@ -105,6 +106,53 @@ struct PodIpWire {
 #[derive(Debug, thiserror::Error)]
 #[error("not a Pod object: {0}")]
 pub struct PodParseError(#[from] serde_json::Error);
+
+/// A Pod as capo's watch decodes it: straight from the API server's JSON into
+/// [`PodFacts`] (everything else skipped unread), plus the few metadata fields a watch
+/// needs. Nothing of a Pod's spec or status beyond that is ever allocated.
+#[derive(Clone, Debug)]
+pub struct TrimmedPod {
+    pub metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    pub facts: PodFacts,
+}
+
+impl kube::Resource for TrimmedPod {
+    type DynamicType = ();
+    type Scope = kube::core::NamespaceResourceScope;
+
+    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+        "Pod".into()
+    }
+    fn group(_: &()) -> std::borrow::Cow<'_, str> {
+        "".into()
+    }
+    fn version(_: &()) -> std::borrow::Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+        "pods".into()
+    }
+    fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl<'de> Deserialize<'de> for TrimmedPod {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let wire = PodWire::deserialize(d)?;
+        let metadata = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some(wire.metadata.name.clone()),
+            namespace: Some(wire.metadata.namespace.clone()),
+            uid: Some(wire.metadata.uid.clone()).filter(|u| !u.is_empty()),
+            resource_version: wire.metadata.resource_version.clone(),
+            ..Default::default()
+        };
+        Ok(Self { metadata, facts: PodFacts::from_wire(wire) })
+    }
+}
 
 impl PodFacts {
     /// From a Pod's JSON (an admission request's `oldObject`).
@@ -162,6 +210,36 @@ impl PodFacts {
 
     pub fn key(&self) -> (String, String) {
         (self.namespace.clone(), self.name.clone())
+    }
+
+    /// Whether the webhook is called for a DELETE of this Pod (the `matchConditions`): it
+    /// could be held, and its deletion is not under way already.
+    pub fn reviewed(&self) -> bool {
+        self.unholdable().is_none() && !self.deleting
+    }
+
+    /// In a terminal phase: its containers are gone and the CNI has freed its IPs.
+    pub fn terminal(&self) -> bool {
+        matches!(self.phase.as_deref(), Some("Succeeded" | "Failed"))
+    }
+
+    /// Being deleted, or terminal: on its way out.
+    pub fn leaving(&self) -> bool {
+        self.deleting || self.terminal()
+    }
+
+    /// Whether capo is done with this very Pod (this UID): its hold was released while the
+    /// object stayed, or the safety net found its IPs taken. Such a Pod is never held again.
+    /// The annotation counts only if it names this Pod's UID (a copy on another Pod does not).
+    pub fn hold_done(&self) -> Option<&'static str> {
+        [(capo_api::keys::RELEASED_ANNOTATION, "released"), (capo_api::keys::NOT_HELD_ANNOTATION, "not_held")]
+            .into_iter()
+            .find(|(key, _)| {
+                self.annotations
+                    .get(*key)
+                    .is_some_and(|v| !self.uid.is_empty() && v.split(' ').next() == Some(&self.uid))
+            })
+            .map(|(_, what)| what)
     }
 }
 

@@ -25,9 +25,11 @@ pub struct Registration {
     pub timeout_seconds: i32,
 }
 
-/// CEL pre-filter: skip Pods that cannot be held (no IP, host network, opted out)
-/// before the API server even calls capo.
-pub const MATCH_CONDITION: &str = "request.subResource == 'eviction' || (\
+/// CEL pre-filter: skip Pods that cannot be held (no IP, host network, opted out), and
+/// DELETEs that finish a deletion already under way, before the API server even calls
+/// capo ([`crate::pod::PodFacts::reviewed`] says the same).
+pub const MATCH_CONDITION: &str = "(has(request.subResource) && request.subResource == 'eviction') || (\
+!has(oldObject.metadata.deletionTimestamp) && \
 has(oldObject.status) && has(oldObject.status.podIPs) && size(oldObject.status.podIPs) > 0 && \
 !(has(oldObject.spec.hostNetwork) && oldObject.spec.hostNetwork) && \
 !(has(oldObject.metadata.annotations) && 'capo.io/hold' in oldObject.metadata.annotations && \

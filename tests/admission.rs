@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::api::{Api, EvictParams};
+use kube::api::{Api, EvictParams, Patch, PatchParams};
 use serde_json::json;
 use support::*;
 
@@ -80,23 +80,17 @@ fn direct_router(
 ) -> (axum::Router, std::sync::Arc<capo::metrics::Metrics>) {
     use std::sync::Arc;
     let compiled = capo::policy::CompiledPolicy::compile(policy).unwrap();
-    let readiness = Arc::new(capo::health::Readiness::default());
-    readiness.set_policies_synced();
-    readiness.set_namespaces_synced();
-    readiness.set_pods_synced();
-    let metrics = Arc::new(capo::metrics::Metrics::new());
-    let admission = Arc::new(capo::admission::Admission {
-        matcher: Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new([compiled]))),
-        caches: Arc::new(capo::cache::Caches::default()),
-        store: capo::hold::HoldWriter::new(client.clone(), capo_api::CalicoApiGroup::CrdV1),
-        client: client.clone(),
-        metrics: metrics.clone(),
-        readiness,
-        settings: capo::admission::AdmissionSettings {
+    let admission = capo::admission::Admission::standalone(
+        client.clone(),
+        Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new([compiled]))),
+        capo_api::CalicoApiGroup::CrdV1,
+        capo::admission::AdmissionSettings {
             excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
             max_review_time: Duration::from_secs(10),
         },
-    });
+    );
+    let metrics = admission.metrics.clone();
+    let admission = Arc::new(admission);
     (capo::admission::router(admission), metrics)
 }
 
@@ -294,14 +288,23 @@ async fn match_conditions_agree_with_the_pods_own_rule() {
         ("opted-in", vec![("capo.io/hold", "true")], true, false),
         ("odd-value", vec![("capo.io/hold", "FALSE")], true, false),
         ("other-annotation", vec![("example.com/hold", "false")], true, false),
+        ("deleting", vec![], true, false),
     ];
     for (name, annotations, has_ip, host) in shapes {
         let mut pod = unscheduled_pod(name, &[], &annotations);
         pod.spec.as_mut().unwrap().host_network = Some(host);
+        if name == "deleting" {
+            pod.metadata.finalizers = Some(vec!["capo.test/keep".into()]);
+        }
         let ips = if has_ip { vec![Ips::v4()] } else { vec![] };
         let created = create_pod_with_ips(&client, &ns.name, pod, &ips).await;
+        if name == "deleting" {
+            // Its deletion begins (reviewed and held) and waits on the finalizer; the next
+            // DELETE finishes nothing new.
+            delete_pod(&client, &ns.name, name).await.unwrap();
+        }
         let live = pods.get(name).await.unwrap();
-        let expected_call = capo::pod::PodFacts::from_pod(&live).unholdable().is_none();
+        let expected_call = capo::pod::PodFacts::from_pod(&live).reviewed();
         let before = delete_reviews(&capo);
         delete_pod(&client, &ns.name, name).await.unwrap();
         let called = delete_reviews(&capo) > before;
@@ -309,8 +312,13 @@ async fn match_conditions_agree_with_the_pods_own_rule() {
             called, expected_call,
             "{name}: API server called capo = {called}, capo's rule says {expected_call}"
         );
-        if called {
+        if called || name == "deleting" {
             assert!(record(&client, ips[0]).await.is_some(), "{name}: held");
+        }
+        if name == "deleting" {
+            pods.patch(name, &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
+                .await
+                .unwrap();
         }
         drop(created);
     }
@@ -369,25 +377,47 @@ async fn a_denied_delete_is_a_503_and_shutdown_removes_the_webhook_configuration
     let capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
-    // A capo-named reservation capo does not own: the hold cannot be written.
-    let foreign = json!({ "apiVersion": "crd.projectcalico.org/v1", "kind": "IPReservation",
-                          "metadata": { "name": format!("capo-{policy}") }, "spec": { "reservedCIDRs": [] } });
-    Api::<kube::api::DynamicObject>::all_with(client.clone(), &capo_api::CalicoApiGroup::CrdV1.ip_reservation())
-        .patch(
-            &format!("capo-{policy}"),
-            &kube::api::PatchParams::apply("someone-else"),
-            &kube::api::Patch::Apply(foreign),
-        )
-        .await
-        .unwrap();
-    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &[Ips::v4()]).await;
-    match delete_pod(&client, &ns.name, "p").await {
-        Err(kube::Error::Api(s)) => {
-            assert_eq!(s.code, 503, "{s:?}");
-            assert!(s.message.contains("not managed by capo"), "{}", s.message);
+    // The API server refuses every write to this policy's reservations: the hold cannot
+    // be written.
+    let vap = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": { "name": format!("capo-tests-{policy}") },
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": { "resourceRules": [{ "apiGroups": ["crd.projectcalico.org"], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "resources": ["ipreservations"] }] },
+            "validations": [{ "expression": format!("!has(object.metadata.labels) || !('capo.io/policy' in object.metadata.labels) || object.metadata.labels['capo.io/policy'] != '{policy}'"),
+                              "message": "capo-tests: no holds for this policy" }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": { "name": format!("capo-tests-{policy}") },
+        "spec": { "policyName": format!("capo-tests-{policy}"), "validationActions": ["Deny"] },
+    });
+    let (ok, out) = kubectl(
+        &["apply", "--server-side", "-f", "-"],
+        Some(&json!({ "apiVersion": "v1", "kind": "List", "items": [vap, binding] }).to_string()),
+    )
+    .await;
+    assert!(ok, "{out}");
+    let mut n = 0;
+    let s = eventually("a DELETE denied because the hold cannot be written", Duration::from_secs(30), || {
+        n += 1;
+        let (client, ns) = (client.clone(), ns.name.clone());
+        async move {
+            let name = format!("p-{n}");
+            create_pod_with_ips(&client, &ns, unscheduled_pod(&name, &[], &[]), &[Ips::v4()]).await;
+            match delete_pod(&client, &ns, &name).await {
+                Err(kube::Error::Api(s)) => Some(s),
+                _ => None, // the refusal has not reached the admission chain yet
+            }
         }
-        other => panic!("expected a 503 denial, got {other:?}"),
-    }
+    })
+    .await;
+    assert_eq!(s.code, 503, "{s:?}");
+    assert!(s.message.contains("no holds for this policy"), "{}", s.message);
+    assert!(s.message.contains("onHoldFailure=Deny"), "{}", s.message);
     let configs = Api::<ValidatingWebhookConfiguration>::all(client.clone());
     let name = format!("capo-test-{}", ns.name);
     assert!(configs.get_opt(&name).await.unwrap().is_some());

@@ -370,7 +370,7 @@ fn private_plane(name: &str, calico: Calico) -> PrivatePlane {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
     let owner = std::thread::spawn(move || {
-        let opts = capo_testenv::Options { state_dir: dir.clone(), nodes: 1 };
+        let opts = capo_testenv::Options::new(dir.clone(), 1);
         let mut cp = match capo_testenv::ControlPlane::start_with(opts, calico) {
             Ok(cp) => cp,
             Err(e) => {

@@ -156,6 +156,11 @@ async fn dry_run_deletion_writes_nothing() {
     assert!(reservation(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.is_none());
 }
 
+/// Invariant 7: the same Pod reviewed again and again keeps one hold with its first
+/// `reservedAt` — by the replica that wrote it, and by a restarted one that goes to the API
+/// server and finds the entries (a duplicate is success) and the records in place. The
+/// reviews are evictions a PodDisruptionBudget refuses after capo held (the Pod is not
+/// ready, so the budget is never met), retried as `kubectl drain` does.
 #[tokio::test]
 async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() {
     let (client, ns) = setup("hold-twice").await;
@@ -163,45 +168,53 @@ async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() 
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
     let ips = [Ips::v4(), Ips::v6()];
-    // A finalizer keeps the Pod after the first DELETE, so the later ones are real too.
-    let mut pod = unscheduled_pod("p", &[], &[]);
-    pod.metadata.finalizers = Some(vec!["capo-tests/keep".into()]);
-    create_pod_with_ips(&client, &ns.name, pod, &ips).await;
-    delete_pod(&client, &ns.name, "p").await.unwrap();
-    let first = record(&client, ips[0]).await.expect("held");
-    tokio::time::sleep(Duration::from_millis(1100)).await; // reservedAt has second precision
-
-    // Again, answered by the same replica (it remembers the hold it just wrote).
-    delete_pod(&client, &ns.name, "p").await.unwrap();
-    // And again after a restart: a new capo with no memory of it goes to the API server,
-    // finds the entries present (a duplicate is success) and the records there.
-    drop(capo);
-    let restarted = start_capo(&client, &[&ns.name], None).await;
-    // The API server picks up the re-registered webhook asynchronously: repeat the DELETE
-    // until the new replica has answered one.
-    eventually("the restarted capo to review the DELETE", Duration::from_secs(30), || {
-        let client = client.clone();
-        let ns = ns.name.clone();
-        let metrics = restarted.metrics.clone();
-        async move {
-            delete_pod(&client, &ns, "p").await.unwrap();
-            metrics
-                .render()
-                .contains("capo_admission_requests_total{operation=\"delete\",outcome=\"held\"}")
-                .then_some(())
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[("app", "twice")], &[]), &ips).await;
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "twice" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "twice" } } },
+    }))
+    .unwrap();
+    let pdbs = Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns.name);
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let reviews = |app: &capo::App| {
+        metric_value(app, "capo_admission_requests_total{operation=\"eviction\",outcome=\"held\"}").unwrap_or(0.0)
+    };
+    let evict = || async {
+        match pods.evict("p", &Default::default()).await {
+            Err(kube::Error::Api(s)) if s.code == 429 => true,
+            other => panic!("the budget refuses the eviction: {other:?}"),
         }
+    };
+    // The budget is computed asynchronously: evict until capo has reviewed one.
+    eventually("capo to review an eviction", Duration::from_secs(30), || async {
+        evict().await;
+        (reviews(&capo) > 0.0).then_some(())
     })
     .await;
-
+    let first = record(&client, ips[0]).await.expect("held");
+    // Again, reviewed by the same replica.
+    let before = reviews(&capo);
+    evict().await;
+    assert!(reviews(&capo) > before, "capo reviewed the eviction again");
+    // And again after a restart.
+    drop(capo);
+    let restarted = start_capo(&client, &[&ns.name], None).await;
+    eventually("the restarted capo to review an eviction", Duration::from_secs(30), || async {
+        evict().await;
+        (reviews(&restarted) > 0.0).then_some(())
+    })
+    .await;
     let last = record(&client, ips[0]).await.expect("still held");
     assert_eq!(first.spec.reserved_at, last.spec.reserved_at, "the first reservedAt is kept");
     assert_eq!(first.metadata.resource_version, last.metadata.resource_version, "the record is untouched");
-    let entries = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
+    let entries = policy_entries(&client, CalicoApiGroup::CrdV1, &policy).await;
     assert_eq!(entries.len(), 2, "{entries:?}");
-    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
-    pods.patch("p", &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
-        .await
-        .unwrap();
+    // The deletion itself: the same hold.
+    pdbs.delete("twice", &Default::default()).await.unwrap();
+    delete_pod(&client, &ns.name, "p").await.expect("deleted now");
+    let end = record(&client, ips[0]).await.expect("held");
+    assert_eq!(end.metadata.resource_version, last.metadata.resource_version);
 }
 
 #[tokio::test]
@@ -506,11 +519,18 @@ async fn an_ipreservation_capo_does_not_own_is_never_touched() {
     api.create(&PostParams::default(), &foreign).await.unwrap();
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
 
-    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &[Ips::v4()]).await;
-    let err = delete_pod(&client, &ns.name, "p").await.expect_err("denied: the hold has nowhere to go");
-    assert!(err.to_string().contains("is not managed by capo"), "{err}");
-    let after = reservation_for(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await;
-    assert_eq!(after, vec!["198.19.255.0/24".to_string()], "the foreign object is unchanged");
+    // The hold goes to the policy's next reservation instead: nothing refused, nothing
+    // written to the object capo does not own.
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &[ip]).await;
+    delete_pod(&client, &ns.name, "p").await.expect("held elsewhere and allowed");
+    let rec = record(&client, ip).await.expect("held");
+    assert_eq!(rec.spec.reservation, format!("capo-{policy}.1"), "the next shard");
+    let next = reservation_for(&client, CalicoApiGroup::CrdV1, &rec.spec.reservation).await;
+    assert_eq!(next, vec![cidr(ip)]);
+    let after = api.get(&format!("capo-{policy}")).await.unwrap();
+    assert_eq!(after.data["spec"]["reservedCIDRs"], json!(["198.19.255.0/24"]), "the foreign object is unchanged");
+    assert!(after.metadata.labels.is_none() && after.metadata.annotations.is_none(), "not even labelled or stamped");
 }
 
 #[tokio::test]
@@ -518,11 +538,19 @@ async fn pods_opt_in_by_annotation_and_ask_for_a_hold_time_within_bounds() {
     let (client, ns) = setup("hold-annot").await;
     let _capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
-    let spec = json!({
+    let mut spec = json!({
         "podSelector": { "matchLabels": { "app": "nothing-has-this" } },
         "reserveFor": "40m",
         "podOverrides": { "minReserveFor": "10m", "maxReserveFor": "2h" },
     });
+    apply_policy(&client, &policy, &ns.name, spec.clone()).await;
+    // Opt-in by annotation is off unless the policy allows it.
+    let ip = Ips::v4();
+    let annotations = [("capo.io/policy", policy.as_str())];
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("not-allowed", &[], &annotations), &[ip]).await;
+    delete_pod(&client, &ns.name, "not-allowed").await.unwrap();
+    assert!(record(&client, ip).await.is_none(), "the policy does not allow opt-in");
+    spec["podOverrides"]["allowOptIn"] = json!(true);
     apply_policy(&client, &policy, &ns.name, spec).await;
     let cases = [("asks-1h", "1h", "1h"), ("asks-too-much", "24h", "2h"), ("asks-too-little", "1m", "10m")];
     for (name, asked, granted) in cases {

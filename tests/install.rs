@@ -105,6 +105,7 @@ async fn capos_service_account_has_least_privilege() {
     apply_rbac().await;
     let allowed: &[&[&str]] = &[
         &["watch", "pods"],
+        &["patch", "pods", "-n", "shop"],
         &["get", "namespaces"],
         &["patch", "ipreservations.crd.projectcalico.org"],
         &["create", "ipreservations.projectcalico.org"],
@@ -125,6 +126,8 @@ async fn capos_service_account_has_least_privilege() {
     let denied: &[&[&str]] = &[
         &["delete", "ipreservations.crd.projectcalico.org"],
         &["delete", "pods"],
+        &["update", "pods", "-n", "shop"],
+        &["patch", "pods", "--subresource=status", "-n", "shop"],
         &["create", "pods/eviction"],
         &["get", "secrets", "-n", "capo-system"],
         &["get", "secrets/other", "-n", "capo-system"],

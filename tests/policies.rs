@@ -1,9 +1,10 @@
 //! Policy reload against a real API server: a CapoPolicy capo cannot read does not stall
 //! the others, and status writes do not feed on their own watch events.
 //!
-//! This binary has its own control plane: it installs a CapoPolicy CRD whose `spec` the
-//! API server does not check, so a malformed policy can get in (as one can through an
-//! older or hand-edited CRD).
+//! This binary has its own control plane: it installs CapoPolicy and ReservedIP CRDs whose
+//! `spec` the API server does not check, so a malformed policy or record can get in (as
+//! one can through an older or hand-edited CRD), and an IPReservation CRD without
+//! `format: cidr` (as with the etcd datastore or an old CRD), so a non-CIDR entry can.
 
 mod support;
 
@@ -14,11 +15,12 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::CustomResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
+use support::leading::*;
 use support::*;
 
-/// capo's CapoPolicy CRD with an unchecked `spec`.
-fn loose_capopolicy_crd() -> CustomResourceDefinition {
-    let mut crd = serde_json::to_value(CapoPolicy::crd()).unwrap();
+/// `crd` with an unchecked `spec`.
+fn loose(crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    let mut crd = serde_json::to_value(crd).unwrap();
     let schema = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
     schema["properties"]["spec"] = json!({ "type": "object", "x-kubernetes-preserve-unknown-fields": true });
     if let Some(o) = schema.as_object_mut() {
@@ -27,11 +29,25 @@ fn loose_capopolicy_crd() -> CustomResourceDefinition {
     serde_json::from_value(crd).unwrap()
 }
 
+fn loose_capopolicy_crd() -> CustomResourceDefinition {
+    loose(CapoPolicy::crd())
+}
+
+/// Calico's v1 IPReservation CRD without `format: cidr` on its entries (still a set).
+fn formatless_ipreservation_crd() -> CustomResourceDefinition {
+    let mut crd = serde_json::to_value(capo_api::CalicoApiGroup::CrdV1.ip_reservation_crd()).unwrap();
+    let items = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["reservedCIDRs"]
+        ["items"];
+    items.as_object_mut().unwrap().remove("format");
+    serde_json::from_value(crd).unwrap()
+}
+
 async fn setup(prefix: &str) -> (kube::Client, TestNamespace) {
     let client = client().await;
     install_crd(&client, loose_capopolicy_crd()).await;
-    install_crd(&client, capo_api::ReservedIP::crd()).await;
-    install_calico_crds(&client).await;
+    install_crd(&client, loose(capo_api::ReservedIP::crd())).await;
+    install_crd(&client, formatless_ipreservation_crd()).await;
+    install_crd(&client, capo_api::CalicoApiGroup::V3.ip_reservation_crd()).await;
     let ns = TestNamespace::create(&client, prefix).await;
     (client, ns)
 }
@@ -39,14 +55,14 @@ async fn setup(prefix: &str) -> (kube::Client, TestNamespace) {
 /// The tests here count status writes of cluster-scoped policies: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Waits until the counter stops moving and returns its value.
-async fn settled(app: &capo::App, needle: &str) -> f64 {
-    eventually("the counter to settle", Duration::from_secs(15), || async {
-        let a = metric(app, needle);
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        (a == metric(app, needle)).then_some(a)
+/// Waits until capo has handled `events` more policy watch events than `base` (the
+/// echoes of its own status writes included), then returns its status writes.
+async fn writes_after(app: &capo::App, base: f64, events: f64) -> f64 {
+    eventually(&format!("{events} policy events handled"), Duration::from_secs(30), || async {
+        (metric(app, "capo_policy_events_total") >= base + events).then_some(())
     })
-    .await
+    .await;
+    metric(app, "capo_policy_status_writes_total")
 }
 
 /// A metric of `app`; 0 when it has not been counted yet.
@@ -100,7 +116,8 @@ async fn policy_status_is_written_once_per_change_not_per_watch_event() {
     let _one = SERIAL.lock().await;
     let (client, ns) = setup("pol-storm").await;
     let capo = start_capo(&client, &[&ns.name], None).await;
-    let base = settled(&capo, "capo_policy_status_writes_total").await;
+    let base = metric(&capo, "capo_policy_status_writes_total");
+    let events = metric(&capo, "capo_policy_events_total");
     let names: Vec<String> = (0..20).map(|i| format!("{}-p{i}", ns.name)).collect();
     for name in &names {
         try_apply_policy(
@@ -114,9 +131,10 @@ async fn policy_status_is_written_once_per_change_not_per_watch_event() {
     for name in &names {
         wait_policy_ready(&client, name, Some(1), "True").await;
     }
-    // Let the echoes of those writes come back; none may cause another write.
+    // The echoes of those writes come back (20 creations, 20 status updates); none may
+    // cause another write.
     let api = Api::<CapoPolicy>::all(client.clone());
-    let after = settled(&capo, "capo_policy_status_writes_total").await;
+    let after = writes_after(&capo, events, 40.0).await;
     assert_eq!(after - base, 20.0, "one status write per new policy");
     // A spec change: one more write, for that policy only.
     api.patch(
@@ -128,7 +146,7 @@ async fn policy_status_is_written_once_per_change_not_per_watch_event() {
     .await
     .unwrap();
     wait_policy_ready(&client, &names[0], Some(2), "True").await;
-    assert_eq!(settled(&capo, "capo_policy_status_writes_total").await - base, 21.0);
+    assert_eq!(writes_after(&capo, events, 42.0).await - base, 21.0);
 }
 
 #[tokio::test]
@@ -161,4 +179,106 @@ async fn readiness_is_withdrawn_while_a_watch_keeps_failing_and_comes_back_after
         async move { get(readyz).await.filter(|(code, _)| *code == 200) }
     })
     .await;
+}
+
+/// Defect 2: one object capo cannot decode stops nothing. A malformed CapoPolicy and a
+/// malformed ReservedIP are there before capo starts; the fresh capo's leader still
+/// counts the good policy's hold down and releases it on time, and marks the bad policy
+/// `Ready=False`.
+#[tokio::test]
+async fn d02_objects_capo_cannot_read_do_not_stop_releases() {
+    let _one = SERIAL.lock().await;
+    let (client, ns) = setup("pol-d02").await;
+    let untyped =
+        Api::<kube::api::DynamicObject>::all_with(client.clone(), &kube::api::ApiResource::erase::<CapoPolicy>(&()));
+    let bad = format!("{}-bad", ns.name);
+    let obj = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": bad },
+                      "spec": { "podSelector": {}, "maxReserved": "lots" } });
+    untyped.patch(&bad, &PatchParams::apply("capo-tests").force(), &Patch::Apply(obj)).await.expect("applied");
+    let records = Api::<kube::api::DynamicObject>::all_with(
+        client.clone(),
+        &kube::api::ApiResource::erase::<capo_api::ReservedIP>(&()),
+    );
+    let bad_record = format!("{}-bad-record", ns.name);
+    let obj = json!({ "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP", "metadata": { "name": bad_record },
+                      "spec": { "ip": 5, "policy": format!("{}-good", ns.name) } });
+    records.patch(&bad_record, &PatchParams::apply("capo-tests").force(), &Patch::Apply(obj)).await.expect("applied");
+
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let good = format!("{}-good", ns.name);
+    apply_policy(
+        &client,
+        &good,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "2s", "releaseInterval": "100ms" }),
+    )
+    .await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
+    let release_at = wait_status(&client, ip).await.status.unwrap().release_at.unwrap().0;
+    let released = wait_released(&client, ip, Duration::from_secs(20)).await;
+    let late = released.duration_since(release_at).as_secs_f64();
+    assert!((-0.05..=1.5).contains(&late), "released {late:.2}s after its releaseAt");
+    eventually("the malformed policy marked Ready=False", Duration::from_secs(30), || {
+        let untyped = untyped.clone();
+        let bad = bad.clone();
+        async move { (untyped.get(&bad).await.ok()?.data.pointer("/status/conditions/0/status")? == "False").then_some(()) }
+    })
+    .await;
+    assert!(records.get_opt(&bad_record).await.unwrap().is_some(), "a record capo cannot read is left alone");
+    // (The other tests of this binary count policies: leave none behind.)
+    untyped.delete(&bad, &Default::default()).await.unwrap();
+    records.delete(&bad_record, &Default::default()).await.unwrap();
+}
+
+/// Defect 11 (invariant 3): repair removes from a capo-owned reservation only entries that
+/// are not CIDRs (one breaks every Calico allocation in the cluster); a valid CIDR capo did
+/// not write stays, and is reported.
+#[tokio::test]
+async fn d11_repair_removes_only_entries_that_are_not_cidrs() {
+    let _one = SERIAL.lock().await;
+    let (client, ns) = setup("pol-d11").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }),
+    )
+    .await;
+    let held = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
+    wait_status(&client, held).await;
+    let record_name = capo_api::reserved_ip::record_name(held);
+    let reservation =
+        Api::<capo_api::ReservedIP>::all(client.clone()).get(&record_name).await.unwrap().spec.reservation;
+    let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &V1.ip_reservation());
+    let foreign = ["198.19.240.0/24", "198.19.241.6/31"];
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        { "op": "add", "path": "/spec/reservedCIDRs/-", "value": "not-an-ip" },
+        { "op": "add", "path": "/spec/reservedCIDRs/-", "value": foreign[0] },
+        { "op": "add", "path": "/spec/reservedCIDRs/-", "value": foreign[1] },
+    ]))
+    .unwrap();
+    api.patch(&reservation, &PatchParams::default(), &Patch::<()>::Json(patch)).await.unwrap();
+    eventually("the non-CIDR entry removed", Duration::from_secs(20), || async {
+        (!entries(&client, &policy).await.contains(&"not-an-ip".to_string())).then_some(())
+    })
+    .await;
+    let mut want = vec![cidr(held), foreign[0].to_string(), foreign[1].to_string()];
+    want.sort();
+    assert_eq!(entries(&client, &policy).await, want, "valid CIDRs stay");
+    assert_eq!(metric(&capo, "capo_repairs_total{action=\"garbage_removed\"}"), 1.0);
+    wait_metric(&capo, &format!("capo_foreign_entries{{policy=\"{policy}\"}}"), 2.0).await;
+    let note = wait_event(&client, "default", &policy, "ForeignEntries").await;
+    assert!(note.contains(foreign[0]) && note.contains(&reservation), "{note}");
+    // Left alone for good: still there after the leader planned again (a new hold).
+    let later = selected_pod(&client, &ns.name, "redis-1", false).await;
+    delete_pod(&client, &ns.name, "redis-1").await.expect("held and allowed");
+    wait_status(&client, later).await;
+    let left = entries(&client, &policy).await;
+    assert!(foreign.iter().all(|f| left.contains(&f.to_string())), "{left:?}");
 }

@@ -4,135 +4,15 @@
 
 mod support;
 
-use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use capo::app::{ReleaseSettings, Settings};
-use capo::leader::LeaderSettings;
-use capo::release::{EngineSettings, PlanSettings};
-use capo_api::{CalicoApiGroup, HoldTrigger, ReservedIP};
+use capo_api::HoldTrigger;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::Client;
 use kube::api::{Api, DeleteParams, DynamicObject, EvictParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use support::leading::*;
 use support::*;
-
-const V1: CalicoApiGroup = CalicoApiGroup::CrdV1;
-
-/// Leader settings for a test: its own Lease in its namespace, short timings, and only
-/// its own policies (`<namespace>-…`).
-fn release_settings(ns: &str, identity: &str, kept_grace: Duration) -> ReleaseSettings {
-    ReleaseSettings {
-        election: Some(LeaderSettings {
-            // Not in the test's namespace: some tests delete it.
-            lease_name: format!("capo-{ns}"),
-            namespace: "default".into(),
-            identity: identity.into(),
-            duration: Duration::from_secs(3),
-            grace: Duration::from_secs(1),
-        }),
-        engine: EngineSettings {
-            plan: PlanSettings { kept_pod_grace: kept_grace, settle: Duration::from_secs(1), ..Default::default() },
-            policy_prefix: Some(format!("{ns}-")),
-            excluded_namespaces: vec!["kube-system".into()],
-        },
-        identity: identity.into(),
-    }
-}
-
-/// A test's namespace, its leading capo, and its policy `<namespace>-p` (Ready).
-struct Scene {
-    client: Client,
-    ns: TestNamespace,
-    capo: capo::App,
-    policy: String,
-}
-
-async fn scene(prefix: &str, kept_grace: Duration, spec: serde_json::Value) -> Scene {
-    let (client, ns) = setup(prefix).await;
-    let capo = start_leading(&client, &ns.name, "a", kept_grace).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(&client, &policy, &ns.name, spec).await;
-    Scene { client, ns, capo, policy }
-}
-
-/// A capo that serves the webhook for `ns` and competes for the leadership.
-async fn start_leading(client: &Client, ns: &str, identity: &str, kept_grace: Duration) -> capo::App {
-    let mut settings: Settings = capo_settings(&format!("capo-test-{ns}-{identity}"), &[ns], None);
-    settings.release = Some(release_settings(ns, identity, kept_grace));
-    start_capo_with(client, ns, settings).await
-}
-
-async fn wait_leader(app: &capo::App) {
-    let fence = app.fence.clone().expect("release on");
-    eventually("this capo to lead", Duration::from_secs(30), || {
-        let f = fence.clone();
-        async move { f.is_leader().then_some(()) }
-    })
-    .await;
-}
-
-async fn selected_pod(client: &Client, ns: &str, name: &str, finalizer: bool) -> IpAddr {
-    let ip = Ips::v4();
-    let mut pod = unscheduled_pod(name, &[("app", "redis")], &[]);
-    if finalizer {
-        pod.metadata.finalizers = Some(vec!["capo.test/keep".into()]);
-    }
-    create_pod_with_ips(client, ns, pod, &[ip]).await;
-    ip
-}
-
-async fn remove_finalizer(client: &Client, ns: &str, name: &str) {
-    Api::<Pod>::namespaced(client.clone(), ns)
-        .patch(name, &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
-        .await
-        .expect("remove finalizer");
-}
-
-async fn entries(client: &Client, policy: &str) -> Vec<String> {
-    reservation(client, V1, &format!("capo-{policy}")).await.unwrap_or_default()
-}
-
-/// Polls until the record of `ip` is gone; returns when that was first seen.
-async fn wait_released(client: &Client, ip: IpAddr, limit: Duration) -> Timestamp {
-    eventually(
-        &format!("{ip} released"),
-        limit,
-        || async move { record(client, ip).await.is_none().then(Timestamp::now) },
-    )
-    .await
-}
-
-/// Waits for an Event with `reason` about the object `name` (in `namespace`; cluster-scoped
-/// objects get theirs in `default`).
-async fn wait_event(client: &Client, namespace: &str, name: &str, reason: &str) -> String {
-    let api = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), namespace);
-    eventually(&format!("a {reason} Event about {name}"), Duration::from_secs(20), || {
-        let api = api.clone();
-        async move {
-            let list = api.list(&Default::default()).await.ok()?;
-            list.items
-                .into_iter()
-                .find(|e| {
-                    e.reason.as_deref() == Some(reason)
-                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                })
-                .and_then(|e| e.note)
-        }
-    })
-    .await
-}
-
-async fn wait_status(client: &Client, ip: IpAddr) -> ReservedIP {
-    eventually(&format!("{ip} counted down (status.releaseAt)"), Duration::from_secs(20), || async move {
-        let r = record(client, ip).await?;
-        r.status.as_ref()?.release_at.as_ref()?;
-        Some(r)
-    })
-    .await
-}
 
 #[tokio::test]
 async fn a_short_ttl_is_released_on_time_and_never_before_the_pod_is_gone() {
@@ -284,7 +164,7 @@ async fn deleting_a_policy_never_releases_its_holds_early() {
 }
 
 #[tokio::test]
-async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage() {
+async fn repair_adopts_orphans_writes_back_missing_entries_and_leaves_foreign_cidrs() {
     let Scene { client, ns, capo, policy } = scene(
         "rel-repair",
         Duration::from_secs(600),
@@ -305,7 +185,8 @@ async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage()
     )
     .await
     .unwrap();
-    // The orphan is adopted, the lost entry written back, the garbage removed.
+    // The orphan is adopted, the lost entry written back; the valid CIDRs capo did not
+    // write stay (and are reported).
     let c = &client;
     let adopted = eventually("the orphan adopted", Duration::from_secs(20), || async move {
         let r = record(c, orphan).await?;
@@ -315,7 +196,7 @@ async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage()
     .await;
     assert_eq!(adopted.spec.trigger, HoldTrigger::Adopted);
     assert_eq!(adopted.spec.reserve_for, "1h");
-    let mut want = vec![cidr(held), cidr(orphan)];
+    let mut want = vec![cidr(held), cidr(orphan), "198.19.240.0/24".to_string(), "198.19.241.7/31".to_string()];
     want.sort();
     eventually("entries repaired", Duration::from_secs(20), || {
         let want = want.clone();
@@ -329,7 +210,8 @@ async fn repair_adopts_orphans_writes_back_missing_entries_and_removes_garbage()
     })
     .await;
     assert!(record(&client, held).await.is_some(), "the real hold kept its record");
-    assert_eq!(metric_value(&capo, "capo_repairs_total{action=\"garbage_removed\"}"), Some(2.0));
+    assert_eq!(metric_value(&capo, "capo_repairs_total{action=\"garbage_removed\"}").unwrap_or(0.0), 0.0);
+    assert_eq!(metric_value(&capo, &format!("capo_foreign_entries{{policy=\"{policy}\"}}")), Some(2.0));
     assert_eq!(metric_value(&capo, "capo_repairs_total{action=\"adopted\"}"), Some(1.0));
     assert!(metric_value(&capo, "capo_repairs_total{action=\"written_back\"}").unwrap_or(0.0) >= 1.0);
 }

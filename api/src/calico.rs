@@ -56,7 +56,7 @@ pub mod v3 {
 }
 
 /// Which of Calico's API groups capo reads and writes `IPReservation`s in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CalicoApiGroup {
     /// `crd.projectcalico.org/v1`
     CrdV1,

@@ -1,4 +1,4 @@
-//! Labels and annotations with a meaning to capo.
+//! Labels, annotations and names with a meaning to capo.
 
 /// The label every object capo creates carries (`app.kubernetes.io/managed-by=capo`).
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
@@ -17,10 +17,44 @@ pub const POLICY_ANNOTATION: &str = "capo.io/policy";
 /// highest-priority policy that allows opt-in in its namespace.
 pub const HOLD_ANNOTATION: &str = "capo.io/hold";
 /// Pod annotation: ask for a longer or shorter hold (a duration such as `2h`), within the
-/// bounds the policy's `reserveForOverride` allows.
+/// bounds the policy's `podOverrides` allow.
 pub const RESERVE_FOR_ANNOTATION: &str = "capo.io/reserve-for";
+/// Pod annotation written by capo's leader when it released the hold of a Pod whose object
+/// still exists (a Failed Pod lingers, a deleted one waits on a finalizer): `<reason> <time>`.
+/// capo never holds that Pod's IPs again — a hold belongs to one Pod UID, once.
+pub const RELEASED_ANNOTATION: &str = "capo.io/released";
+/// Pod annotation written by capo's safety net when it saw the Pod terminate without a
+/// hold after its IPs already belonged to another Pod: `<ips> <time>`. Reported once.
+pub const NOT_HELD_ANNOTATION: &str = "capo.io/not-held";
+/// Annotation on a capo-owned `IPReservation`: the epoch (the Lease's `leaseTransitions`)
+/// of the leader allowed to remove entries from it. Every leader write tests it, and a new
+/// leader raises it before its first write, so a replica that lost the Lease cannot
+/// release anything any more, whatever its clock says.
+pub const LEADER_EPOCH_ANNOTATION: &str = "capo.io/leader-epoch";
 
-/// Name of the capo-owned Calico `IPReservation` that holds a policy's IPs.
+/// Name of the first (and usually only) capo-owned Calico `IPReservation` of a policy,
+/// the one object earlier versions of capo used.
 pub fn reservation_name(policy: &str) -> String {
     format!("capo-{policy}")
+}
+
+/// Name of shard `index` of a policy's reservations: `capo-<policy>` for shard 0, then
+/// `capo-<policy>.1`, `capo-<policy>.2`, ...
+pub fn shard_name(policy: &str, index: u32) -> String {
+    match index {
+        0 => reservation_name(policy),
+        i => format!("capo-{policy}.{i}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_names() {
+        assert_eq!(shard_name("redis", 0), "capo-redis");
+        assert_eq!(shard_name("redis", 1), "capo-redis.1");
+        assert_eq!(shard_name("redis", 49), "capo-redis.49");
+    }
 }

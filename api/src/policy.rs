@@ -61,11 +61,22 @@ pub struct CapoPolicySpec {
     #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("reserveFor must be at least 1s"))]
     pub reserve_for: String,
 
-    /// The most IPs this policy holds at once; past it the oldest are released first.
-    /// Size it to fit a whole failed node, e.g. 1.2 × the nodes' maxPods.
+    /// The most IPs this policy holds at once; past it the oldest (by when the API server
+    /// recorded them) are released first. Size it to fit a whole failed node, e.g. 1.2 ×
+    /// the nodes' maxPods. capo spreads a policy's holds over as many reservation objects
+    /// as this needs, so any value up to 100000 works.
     #[serde(default = "default_max_reserved")]
     #[schemars(range(min = 1, max = 100000))]
     pub max_reserved: u32,
+
+    /// The most IPs this policy holds for the Pods of one namespace; past it that
+    /// namespace's oldest holds are released first, whatever other namespaces hold. Set it
+    /// when one policy covers the namespaces of several teams, so that a storm of
+    /// deletions in one namespace cannot push the other teams' holds out at the cap.
+    /// Absent: no share, only `maxReserved`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_reserved_per_namespace: Option<u32>,
 
     /// The least time between two releases of this policy's IPs (release pacing).
     #[serde(default = "default_release_interval")]
@@ -179,14 +190,16 @@ pub struct ReleaseEarly {
     pub namespace_deleted: bool,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.minReserveFor) || !has(self.maxReserveFor) || duration(self.minReserveFor) <= duration(self.maxReserveFor)").message("podOverrides.minReserveFor must not exceed podOverrides.maxReserveFor"))]
 pub struct PodOverrides {
     /// Pods may opt in with the `capo.io/policy: <name>` or `capo.io/hold: "true"`
     /// annotation even when `podSelector`/`workloads` do not select them (the
-    /// `namespaceSelector` still applies).
-    #[serde(default = "default_true")]
+    /// `namespaceSelector` still applies). Off by default: whoever can create a Pod in a
+    /// covered namespace could otherwise add holds that count against this policy's cap
+    /// and push other teams' holds out.
+    #[serde(default)]
     pub allow_opt_in: bool,
     /// Shortest hold a Pod may ask for with `capo.io/reserve-for`. Absent with
     /// `maxReserveFor` absent: the annotation is ignored.
@@ -197,12 +210,6 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     pub max_reserve_for: Option<String>,
-}
-
-impl Default for PodOverrides {
-    fn default() -> Self {
-        Self { allow_opt_in: true, min_reserve_for: None, max_reserve_for: None }
-    }
 }
 
 /// Health only; counters live in metrics (status churn would make Argo CD re-sync).

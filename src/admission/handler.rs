@@ -21,19 +21,14 @@ use tracing::{debug, info, warn};
 
 use super::deadline::budget;
 use super::respond::{allow, deny};
-use crate::cache::{Caches, NamespaceFacts};
+use crate::calico::shards;
 use crate::health::Readiness;
-use crate::hold::{HoldError, HoldRequest, HoldWriter, RecordOutcome};
+use crate::hold::rule::{self, Origin};
+use crate::hold::{HoldError, HoldRequest, HoldWriter};
 use crate::metrics::Metrics;
 use crate::pod::PodFacts;
-use crate::policy::{Decision, HoldPlan, RequestContext, SharedMatcher};
-
-/// The user the garbage collector deletes dependents as (kube-controller-manager with
-/// `--use-service-account-credentials`, the default everywhere that matters).
-pub const GARBAGE_COLLECTOR_USER: &str = "system:serviceaccount:kube-system:generic-garbage-collector";
-/// The user the namespace controller deletes a terminating namespace's Pods as: a signal
-/// that does not depend on the Namespace cache having caught up.
-pub const NAMESPACE_CONTROLLER_USER: &str = "system:serviceaccount:kube-system:namespace-controller";
+use crate::policy::{Decision, HoldPlan, SharedMatcher};
+use crate::store::{NamespaceFacts, NamespaceStore, PodStore};
 
 #[derive(Clone, Debug)]
 pub struct AdmissionSettings {
@@ -45,12 +40,42 @@ pub struct AdmissionSettings {
 
 pub struct Admission {
     pub matcher: SharedMatcher,
-    pub caches: Arc<Caches>,
+    pub pods: Arc<PodStore>,
+    pub namespaces: Arc<NamespaceStore>,
     pub store: HoldWriter,
     pub client: Client,
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
     pub settings: AdmissionSettings,
+}
+
+impl Admission {
+    /// The admission path on its own: empty stores, an empty watched copy of the
+    /// reservations, holds written in `group`, ready at once (tests and benchmarks fill the
+    /// stores by hand; capo itself is wired by [`crate::App`]).
+    pub fn standalone(
+        client: Client,
+        matcher: SharedMatcher,
+        group: capo_api::CalicoApiGroup,
+        settings: AdmissionSettings,
+    ) -> Self {
+        let readiness = Arc::new(Readiness::default());
+        readiness.set_policies_synced();
+        readiness.set_namespaces_synced();
+        readiness.set_pods_synced();
+        let index = Arc::new(crate::calico::ReservationIndex::default());
+        let reservations = crate::calico::Reservations::new(client.clone(), group, index);
+        Self {
+            matcher,
+            pods: Default::default(),
+            namespaces: Default::default(),
+            store: HoldWriter::new(client.clone(), reservations),
+            client,
+            metrics: Default::default(),
+            readiness,
+            settings,
+        }
+    }
 }
 
 /// Where the API server sends its reviews of Pod deletions and evictions.
@@ -202,6 +227,7 @@ impl Admission {
         };
         let namespace = req.namespace.clone().unwrap_or_default();
         if self.settings.excluded_namespaces.contains(&namespace) {
+            // Decided before the Pod is even read (the rule says the same).
             return Ok((Some(kind), "excluded", allow(resp, vec![])));
         }
         let pod = match kind {
@@ -233,13 +259,8 @@ impl Admission {
                 return Ok((Some(kind), "namespace_unreadable", allow(resp, vec![msg])));
             }
         };
-        let user = req.user_info.username.as_deref();
-        let ctx = RequestContext {
-            namespace_labels: &ns.labels,
-            namespace_terminating: ns.terminating || user == Some(NAMESPACE_CONTROLLER_USER),
-            by_garbage_collector: user == Some(GARBAGE_COLLECTOR_USER),
-        };
-        let plan = match self.matcher.load().decide(&pod, &ctx) {
+        let origin = Origin::Request { user: req.user_info.username.as_deref() };
+        let plan = match rule::decide(&self.matcher.load(), &pod, &ns, origin, &self.settings.excluded_namespaces) {
             Decision::Skip(reason) => {
                 self.metrics.skipped.with_label_values(&[reason.as_str()]).inc();
                 debug!(namespace, pod = %pod.name, reason = reason.as_str(), "not holding");
@@ -249,14 +270,23 @@ impl Admission {
         };
         if req.dry_run || (kind == PodOperation::Eviction && eviction_is_dry_run(req.object.as_ref())) {
             let mut warnings = plan.warnings.clone();
-            warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), plan.policy.reservation_name()));
+            let count = shards::count(plan.policy.max_reserved);
+            let mut to: Vec<String> = pod
+                .ips
+                .iter()
+                .map(|ip| {
+                    self.store.reservations().foresee(&plan.policy.name, count, &crate::calico::entry::canonical(*ip))
+                })
+                .collect();
+            to.dedup();
+            warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), to.join(", ")));
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));
         }
         Ok(self.hold(kind, &pod, plan, resp, deadline).await)
     }
 
     async fn evicted_pod(&self, namespace: &str, name: &str, deadline: Instant) -> Result<Option<PodFacts>, String> {
-        if let Some(p) = self.caches.pod(namespace, name) {
+        if let Some(p) = self.pods.get(namespace, name) {
             return Ok(Some((*p).clone()));
         }
         // Not cached: no IP yet when last seen, or created a moment ago. Read it, inside
@@ -272,7 +302,7 @@ impl Admission {
     /// a moment ago), from the API server inside the review's budget. Never a guess: a
     /// namespace's labels decide whether its Pods are selected.
     async fn namespace(&self, name: &str, deadline: Instant) -> Result<Option<Arc<NamespaceFacts>>, String> {
-        if let Some(ns) = self.caches.namespace(name) {
+        if let Some(ns) = self.namespaces.get(name) {
             return Ok(Some(ns));
         }
         let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
@@ -280,9 +310,11 @@ impl Admission {
         let result = if got.is_ok() { "read" } else { "error" };
         self.metrics.namespace_cache_misses.with_label_values(&[result]).inc();
         Ok(got?.map(|ns| {
-            let mut labels = ns.metadata.labels.clone().unwrap_or_default();
-            labels.entry("kubernetes.io/metadata.name".into()).or_insert_with(|| name.to_string());
-            Arc::new(NamespaceFacts { labels, terminating: ns.metadata.deletion_timestamp.is_some() })
+            Arc::new(NamespaceFacts::from_meta(
+                name,
+                ns.metadata.labels.as_ref(),
+                ns.metadata.deletion_timestamp.is_some(),
+            ))
         }))
     }
 
@@ -302,26 +334,36 @@ impl Admission {
             let (store, pod, policy, reserve_for) =
                 (self.store.clone(), pod.clone(), policy.name.clone(), plan.reserve_for);
             let trigger = kind.trigger();
-            tokio::spawn(
-                async move { store.hold(&HoldRequest { policy: &policy, reserve_for, pod: &pod, trigger }).await },
-            )
+            let shards = shards::count(plan.policy.max_reserved);
+            tokio::spawn(async move {
+                store.hold(&HoldRequest { policy: &policy, shards, reserve_for, pod: &pod, trigger }).await
+            })
         };
         let outcome = match tokio::time::timeout(timeout, &mut writing).await {
             Ok(Ok(result)) => Ok(result),
             Ok(Err(panicked)) => Err(format!("the hold's writer failed: {panicked}")),
             Err(_) => {
-                let store = self.store.clone();
+                // The writes go on. A denied deletion must leave no record behind; an
+                // allowed one (onHoldFailure: Allow) keeps its hold once it lands.
+                let (store, metrics) = (self.store.clone(), self.metrics.clone());
+                let deny = policy.on_hold_failure == HoldFailureAction::Deny;
                 tokio::spawn(async move {
-                    if let Ok(Ok(held)) = writing.await {
-                        store.take_back(&held).await;
-                    }
+                    let outcome = match writing.await {
+                        Ok(Ok(held)) if deny => {
+                            store.take_back(&held).await;
+                            "taken_back"
+                        }
+                        Ok(Ok(_)) => "kept",
+                        _ => "failed",
+                    };
+                    metrics.late_hold_writes.with_label_values(&[outcome]).inc();
                 });
                 Err(format!("writing the hold took longer than the {timeout:?} the API server allows"))
             }
         };
         let (reason, failure) = match outcome {
             Ok(Ok(held)) => {
-                let created = held.iter().filter(|h| h.record != RecordOutcome::Kept).count();
+                let created = held.iter().filter(|h| h.is_new()).count();
                 self.metrics.holds.with_label_values(&[&policy.name, kind.as_str()]).inc_by(created as u64);
                 info!(
                     namespace = %pod.namespace, pod = %pod.name, policy = %policy.name, ips = %ips(pod),
@@ -331,7 +373,7 @@ impl Admission {
                 warnings.push(format!(
                     "capo: {} held in IPReservation {} for {} after the Pod is gone",
                     ips(pod),
-                    policy.reservation_name(),
+                    shards_of(&held),
                     capo_api::Duration::from_std(plan.reserve_for)
                 ));
                 return (Some(kind), "held", allow(resp, warnings));
@@ -379,6 +421,14 @@ async fn within<T>(
 
 fn ips(pod: &PodFacts) -> String {
     pod.ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The reservations a hold went to, as one name or a list.
+fn shards_of(held: &[crate::hold::Held]) -> String {
+    let mut names: Vec<&str> = held.iter().map(|h| h.reservation.as_str()).collect();
+    names.sort();
+    names.dedup();
+    names.join(", ")
 }
 
 fn describe(errors: &[HoldError]) -> String {

@@ -1,30 +1,30 @@
-//! Holding an IP: its `/32` or `/128` entry in the policy's capo-owned Calico
-//! `IPReservation`, and its `ReservedIP` record, written concurrently.
+//! Holding an IP: its `/32` or `/128` entry in one of the policy's capo-owned Calico
+//! reservations, and its `ReservedIP` record, written concurrently. "Held" is only ever
+//! answered when the API server has confirmed both are there now.
 
-mod calico;
-mod detect;
+pub mod marks;
 mod records;
+pub mod rule;
+pub mod safety_net;
 
-use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use capo_api::reserved_ip::{PodRef, record_name, single_ip_cidr};
+use capo_api::reserved_ip::{PodRef, record_name};
 use capo_api::{HoldTrigger, ReservedIPSpec};
 use futures::future::join_all;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::Client;
 
-pub use calico::{CalicoError, Reservations};
-pub use detect::detect_calico_api;
 pub use records::{RecordError, RecordOutcome, Records};
 
+use crate::calico::{CalicoError, Reservations, entry};
 use crate::pod::PodFacts;
 
-/// What to hold, decided by the matcher.
+/// What to hold, decided by the rule.
 pub struct HoldRequest<'a> {
     pub policy: &'a str,
+    /// How many shards the policy's cap gives it.
+    pub shards: u32,
     pub reserve_for: std::time::Duration,
     pub pod: &'a PodFacts,
     pub trigger: HoldTrigger,
@@ -38,10 +38,17 @@ pub struct Held {
     pub record: RecordOutcome,
 }
 
+impl Held {
+    /// Whether this request made the hold (rather than finding it in place).
+    pub fn is_new(&self) -> bool {
+        !matches!(self.record, RecordOutcome::Kept { .. })
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum HoldError {
-    #[error("reservation entry {cidr} in IPReservation {reservation}: {source}")]
-    Reservation { cidr: String, reservation: String, source: CalicoError },
+    #[error("reservation entry {cidr}: {source}")]
+    Reservation { cidr: String, source: CalicoError },
     #[error("record {record} for {ip}: {source}")]
     Record { record: String, ip: IpAddr, source: RecordError },
 }
@@ -56,146 +63,119 @@ impl HoldError {
     }
 }
 
-/// How long this replica remembers a hold it wrote, to answer a repeated review of the
-/// same deletion (the API server re-validates a DELETE when its cached Pod was stale)
-/// without writing again. Far shorter than any hold: nothing is released this soon.
-const RECENT: Duration = Duration::from_secs(30);
-
-/// Writes holds for one Calico API group.
+/// Writes holds into the active Calico API group.
 #[derive(Clone)]
 pub struct HoldWriter {
     reservations: Reservations,
     records: Records,
-    /// (Pod UID, IP) written in the last [`RECENT`], with when.
-    recent: Arc<Mutex<HashMap<(String, IpAddr), Instant>>>,
 }
 
 impl HoldWriter {
-    pub fn new(client: Client, calico: capo_api::CalicoApiGroup) -> Self {
-        Self {
-            reservations: Reservations::new(client.clone(), calico),
-            records: Records::new(client),
-            recent: Default::default(),
-        }
-    }
-
-    /// Whether every IP of the Pod was held by this replica moments ago.
-    fn recently_held(&self, pod: &PodFacts, reservation: &str) -> Option<Vec<Held>> {
-        let mut recent = self.recent.lock().expect("recent holds lock");
-        recent.retain(|_, at| at.elapsed() < RECENT);
-        pod.ips
-            .iter()
-            .map(|&ip| {
-                recent.contains_key(&(pod.uid.clone(), ip)).then(|| Held {
-                    ip,
-                    reservation: reservation.to_string(),
-                    record: RecordOutcome::Kept,
-                })
-            })
-            .collect()
-    }
-
-    fn remember(&self, pod: &PodFacts) {
-        let now = Instant::now();
-        let mut recent = self.recent.lock().expect("recent holds lock");
-        for &ip in &pod.ips {
-            recent.insert((pod.uid.clone(), ip), now);
-        }
+    pub fn new(client: Client, reservations: Reservations) -> Self {
+        Self { reservations, records: Records::new(client) }
     }
 
     pub fn calico_api(&self) -> capo_api::CalicoApiGroup {
         self.reservations.group()
     }
 
-    /// Holds every IP of the Pod: all reservation entries and records are written
-    /// concurrently; succeeds only when every one of them is in place.
+    pub fn reservations(&self) -> &Reservations {
+        &self.reservations
+    }
+
+    /// Holds every IP of the Pod: all entries and records are written concurrently;
+    /// succeeds only when every one of them is in place. On failure the records this
+    /// request created are taken back (a denied deletion leaves none).
     pub async fn hold(&self, req: &HoldRequest<'_>) -> Result<Vec<Held>, Vec<HoldError>> {
-        let reservation = capo_api::keys::reservation_name(req.policy);
-        if !req.pod.uid.is_empty()
-            && let Some(held) = self.recently_held(req.pod, &reservation)
-        {
+        let results = join_all(req.pod.ips.iter().map(|&ip| self.hold_ip(req, ip))).await;
+        let (held, errors): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+        let held: Vec<Held> = held.into_iter().map(Result::unwrap).collect();
+        let mut created = Vec::new();
+        let mut failures = Vec::new();
+        for (errs, record) in errors.into_iter().filter_map(Result::err) {
+            failures.extend(errs);
+            created.extend(record);
+        }
+        if failures.is_empty() {
             return Ok(held);
         }
-        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
-        let writes = req.pod.ips.iter().map(|&ip| {
-            let reservation = reservation.clone();
-            let spec = ReservedIPSpec {
-                ip: ip.to_string(),
-                cidr: single_ip_cidr(ip),
-                reservation: reservation.clone(),
-                calico_api_group: self.reservations.group().api_version(),
-                policy: req.policy.to_string(),
-                pod: PodRef {
-                    namespace: req.pod.namespace.clone(),
-                    name: req.pod.name.clone(),
-                    uid: req.pod.uid.clone(),
-                    node: req.pod.node.clone(),
-                    controller: req
-                        .pod
-                        .controller
-                        .as_ref()
-                        .map(|(kind, name)| capo_api::ControllerRef { kind: kind.clone(), name: name.clone() }),
-                },
-                trigger: req.trigger,
-                reserved_at: now.clone(),
-                reserve_for: capo_api::Duration::from_std(req.reserve_for).to_string(),
-                manual: None,
-            };
-            async move {
-                let cidr = spec.cidr.clone();
-                let (entry, record) =
-                    tokio::join!(self.reservations.add(&reservation, req.policy, &cidr), self.records.record(ip, spec));
-                let mut errors = Vec::new();
-                if let Err(source) = entry {
-                    errors.push(HoldError::Reservation { cidr, reservation: reservation.clone(), source });
+        // An entry that did get in stays; without a record it is adopted by the leader's
+        // repair and released on schedule.
+        created.extend(held.iter().filter(|h| h.is_new()).map(|h| (h.ip, h.record.uid().to_string())));
+        self.forget(created).await;
+        Err(failures)
+    }
+
+    /// One IP: its entry and its record, concurrently.
+    async fn hold_ip(
+        &self,
+        req: &HoldRequest<'_>,
+        ip: IpAddr,
+    ) -> Result<Held, (Vec<HoldError>, Option<(IpAddr, String)>)> {
+        let cidr = entry::canonical(ip);
+        let foreseen = self.reservations.foresee(req.policy, req.shards, &cidr);
+        let spec = ReservedIPSpec {
+            ip: ip.to_string(),
+            cidr: cidr.clone(),
+            reservation: foreseen.clone(),
+            calico_api_group: self.reservations.group().api_version(),
+            policy: req.policy.to_string(),
+            pod: PodRef {
+                namespace: req.pod.namespace.clone(),
+                name: req.pod.name.clone(),
+                uid: req.pod.uid.clone(),
+                node: req.pod.node.clone(),
+                controller: req
+                    .pod
+                    .controller
+                    .as_ref()
+                    .map(|(kind, name)| capo_api::ControllerRef { kind: kind.clone(), name: name.clone() }),
+            },
+            trigger: req.trigger,
+            reserved_at: MicroTime(k8s_openapi::jiff::Timestamp::now()),
+            reserve_for: capo_api::Duration::from_std(req.reserve_for).to_string(),
+            manual: None,
+        };
+        let (entry, record) =
+            tokio::join!(self.reservations.hold(req.policy, req.shards, &cidr), self.records.record(ip, spec));
+        let mut errors = Vec::new();
+        let shard = match entry {
+            Ok(shard) => Some(shard),
+            Err(source) => {
+                errors.push(HoldError::Reservation { cidr: cidr.clone(), source });
+                None
+            }
+        };
+        let outcome = match record {
+            Ok(outcome) => Some(outcome),
+            Err(source) => {
+                errors.push(HoldError::Record { record: record_name(ip), ip, source });
+                None
+            }
+        };
+        match (shard, outcome) {
+            (Some(shard), Some(outcome)) => {
+                if shard != foreseen
+                    && !matches!(outcome, RecordOutcome::Kept { .. })
+                    && let Err(source) = self.records.moved(ip, outcome.uid(), &shard).await
+                {
+                    let created = Some((ip, outcome.uid().to_string()));
+                    return Err((vec![HoldError::Record { record: record_name(ip), ip, source }], created));
                 }
-                let mut created = None;
-                match record {
-                    Ok(outcome) if errors.is_empty() => {
-                        return Ok(Held { ip, reservation, record: outcome });
-                    }
-                    Ok(RecordOutcome::Created { uid }) => created = Some((ip, uid)),
-                    Ok(_) => {}
-                    Err(source) => errors.push(HoldError::Record { record: record_name(ip), ip, source }),
-                }
+                Ok(Held { ip, reservation: shard, record: outcome })
+            }
+            (_, outcome) => {
+                let created =
+                    outcome.filter(|o| !matches!(o, RecordOutcome::Kept { .. })).map(|o| (ip, o.uid().to_string()));
                 Err((errors, created))
             }
-        });
-        let mut held = Vec::new();
-        let mut errors = Vec::new();
-        let mut created = Vec::new();
-        for result in join_all(writes).await {
-            match result {
-                Ok(h) => held.push(h),
-                Err((e, record)) => {
-                    errors.extend(e);
-                    created.extend(record);
-                }
-            }
         }
-        if errors.is_empty() {
-            self.remember(req.pod);
-            return Ok(held);
-        }
-        // The deletion will be denied: take back the records this request created. (An
-        // entry that did get in stays; without a record it is adopted by the leader's
-        // repair and released on schedule — the Pod still uses the address meanwhile.)
-        created.extend(held.iter().filter_map(|h| match &h.record {
-            RecordOutcome::Created { uid } => Some((h.ip, uid.clone())),
-            _ => None,
-        }));
-        self.forget(created).await;
-        Err(errors)
     }
 
     /// A hold that completed after its request was already denied (the deadline passed):
     /// takes back the records it created, so the denied deletion leaves no record.
     pub async fn take_back(&self, held: &[Held]) {
-        self.recent.lock().expect("recent holds lock").retain(|(_, ip), _| !held.iter().any(|h| h.ip == *ip));
-        let created = held.iter().filter_map(|h| match &h.record {
-            RecordOutcome::Created { uid } => Some((h.ip, uid.clone())),
-            _ => None,
-        });
+        let created = held.iter().filter(|h| h.is_new()).map(|h| (h.ip, h.record.uid().to_string()));
         self.forget(created.collect()).await;
     }
 

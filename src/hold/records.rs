@@ -1,13 +1,16 @@
 //! `ReservedIP` records: one per held IP, created once per hold. A repeated deletion of
-//! the same Pod keeps the first record (and its `reservedAt`).
+//! the same Pod keeps the first record (and its `reservedAt`); a record that described
+//! another Pod is replaced by a new object, so the new hold starts with no status and a
+//! `creationTimestamp` of its own (its countdown and its place in the cap's order).
 
 use std::net::IpAddr;
 
 use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL};
 use capo_api::reserved_ip::record_name;
 use capo_api::{ReservedIP, ReservedIPSpec};
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, Error as KubeError};
+use serde_json::json;
 
 const ATTEMPTS: usize = 5;
 
@@ -16,9 +19,17 @@ pub enum RecordOutcome {
     /// A new hold: the record's uid.
     Created { uid: String },
     /// The same Pod was already held: the first record stays as it was.
-    Kept,
-    /// The IP was recorded for another Pod; the record now describes this one.
-    Replaced { previous_pod: String },
+    Kept { uid: String },
+    /// The IP was recorded for another Pod; a new record describes this one.
+    Replaced { previous_pod: String, uid: String },
+}
+
+impl RecordOutcome {
+    pub fn uid(&self) -> &str {
+        match self {
+            Self::Created { uid } | Self::Kept { uid } | Self::Replaced { uid, .. } => uid,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +46,7 @@ pub enum RecordError {
 
 fn classify(e: KubeError) -> RecordError {
     match &e {
-        KubeError::Api(s) if super::calico::is_type_not_served(s) => RecordError::NotServed,
+        KubeError::Api(s) if crate::calico::is_type_not_served(s) => RecordError::NotServed,
         KubeError::Api(s) if s.code == 403 => RecordError::Forbidden(s.message.clone()),
         _ => RecordError::Api(e),
     }
@@ -62,24 +73,37 @@ impl Records {
             spec,
             status: None,
         };
+        let mut previous_pod = None;
         for _ in 0..ATTEMPTS {
             match self.api.create(&PostParams::default(), &fresh).await {
-                Ok(created) => return Ok(RecordOutcome::Created { uid: created.metadata.uid.unwrap_or_default() }),
+                Ok(created) => {
+                    let uid = created.metadata.uid.unwrap_or_default();
+                    return Ok(match previous_pod {
+                        Some(previous_pod) => RecordOutcome::Replaced { previous_pod, uid },
+                        None => RecordOutcome::Created { uid },
+                    });
+                }
                 Err(KubeError::Api(s)) if s.code == 409 => {}
                 Err(e) => return Err(classify(e)),
             }
-            let existing = match self.api.get_opt(&name).await.map_err(classify)? {
-                Some(r) => r,
-                None => continue, // released meanwhile; create again
+            let Some(existing) = self.api.get_opt(&name).await.map_err(classify)? else {
+                continue; // released meanwhile; create again
             };
             if existing.spec.pod.uid == fresh.spec.pod.uid {
-                return Ok(RecordOutcome::Kept);
+                return Ok(RecordOutcome::Kept { uid: existing.metadata.uid.unwrap_or_default() });
             }
-            let previous_pod = format!("{}/{}", existing.spec.pod.namespace, existing.spec.pod.name);
-            let mut replacement = fresh.clone();
-            replacement.metadata.resource_version = existing.metadata.resource_version.clone();
-            match self.api.replace(&name, &PostParams::default(), &replacement).await {
-                Ok(_) => return Ok(RecordOutcome::Replaced { previous_pod }),
+            // Another Pod's: that hold is over (the IP is this Pod's now). Remove exactly
+            // that record and create this one.
+            previous_pod = Some(format!("{}/{}", existing.spec.pod.namespace, existing.spec.pod.name));
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: existing.metadata.uid.clone(),
+                    resource_version: existing.metadata.resource_version.clone(),
+                }),
+                ..Default::default()
+            };
+            match self.api.delete(&name, &dp).await {
+                Ok(_) => {}
                 Err(KubeError::Api(s)) if s.code == 409 || s.code == 404 => {}
                 Err(e) => return Err(classify(e)),
             }
@@ -87,11 +111,26 @@ impl Records {
         Err(RecordError::Contention)
     }
 
-    /// Deletes a record this request created, when the rest of its hold failed: a denied
+    /// Points the record (exactly that one) at the shard its entry went to, when that is
+    /// not the one foreseen.
+    pub async fn moved(&self, ip: IpAddr, uid: &str, reservation: &str) -> Result<(), RecordError> {
+        let patch: json_patch::Patch = serde_json::from_value(json!([
+            { "op": "test", "path": "/metadata/uid", "value": uid },
+            { "op": "replace", "path": "/spec/reservation", "value": reservation },
+        ]))
+        .expect("static patch shape");
+        match self.api.patch(&record_name(ip), &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => Ok(()),
+            Err(KubeError::Api(s)) if s.code == 404 || s.code == 422 => Ok(()),
+            Err(e) => Err(classify(e)),
+        }
+    }
+
+    /// Deletes a record this request created, when the request was denied: a denied
     /// deletion leaves no record behind. Only that very record (uid precondition).
     pub async fn forget(&self, ip: IpAddr, uid: &str) -> Result<(), RecordError> {
-        let dp = kube::api::DeleteParams {
-            preconditions: Some(kube::api::Preconditions { uid: Some(uid.to_string()), resource_version: None }),
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions { uid: Some(uid.to_string()), resource_version: None }),
             ..Default::default()
         };
         match self.api.delete(&record_name(ip), &dp).await {

@@ -27,7 +27,7 @@ use kube::api::{Api, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, Error as KubeError};
 use serde_json::json;
 
-use crate::hold::Reservations;
+use crate::calico::{ReservationIndex, Reservations};
 
 /// The original's placeholder entry, reserved forever so its JSON-patch appends worked.
 pub const PLACEHOLDER: &str = "1.1.1.1";
@@ -267,11 +267,13 @@ pub async fn take_over(client: Client, s: &TakeOverSettings) -> Result<Report, T
 
     let group = match s.calico_api {
         Some(g) => g,
-        None => crate::hold::detect_calico_api(&client).await,
+        None => crate::calico::detect_calico_api(&client, None).await.chosen,
     };
     let reservation = format!("capo-{}", s.policy);
     let records = Api::<ReservedIP>::all(client.clone());
-    let reservations = Reservations::new(client.clone(), group);
+    // No watched copy here: the entries go to the policy's first reservation (or the next
+    // one with room), where capo's leader releases them.
+    let reservations = Reservations::new(client.clone(), group, std::sync::Arc::new(ReservationIndex::default()));
     let now = Timestamp::now();
     let mut rows = Vec::new();
     for hold in holds {
@@ -360,7 +362,16 @@ async fn write(
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
         .await
         .map_err(|e| fail(format!("setting the status of ReservedIP {name}: {e}")))?;
-    reservations.add(reservation, policy, &cidr).await.map_err(|e| fail(format!("adding {cidr} to {reservation}: {e}")))
+    let shard =
+        reservations.hold(policy, 1, &cidr).await.map_err(|e| fail(format!("adding {cidr} to {reservation}: {e}")))?;
+    if shard != reservation {
+        let patch = json!({ "spec": { "reservation": shard } });
+        records
+            .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(|e| fail(format!("pointing ReservedIP {name} at {shard}: {e}")))?;
+    }
+    Ok(())
 }
 
 /// Parses a UTC offset: `+08:00`, `-0500`, `Z` or `UTC`.

@@ -16,6 +16,8 @@ pub struct CompiledPolicy {
     pub workloads: Option<Vec<WorkloadRef>>,
     pub reserve_for: Duration,
     pub max_reserved: u32,
+    /// The most holds for the Pods of one namespace (`maxReservedPerNamespace`).
+    pub max_reserved_per_namespace: Option<u32>,
     pub release_interval: Duration,
     pub priority: i32,
     pub on_hold_failure: HoldFailureAction,
@@ -43,7 +45,9 @@ pub enum PolicyError {
     InvertedBounds { min: String, max: String },
     #[error("a policy must select something: set namespaceSelector, podSelector or workloads")]
     SelectsNothing,
-    #[error("the policy name {0:?} is too long for its IPReservation name capo-<name> (253 characters at most)")]
+    #[error(
+        "the policy name {0:?} is too long for the names of its IPReservations, capo-<name>.<shard> (253 characters at most)"
+    )]
     NameTooLong(String),
 }
 
@@ -78,7 +82,7 @@ impl CompiledPolicy {
     pub fn compile(policy: &CapoPolicy) -> Result<Self, PolicyError> {
         let name = policy.name_any();
         let spec: &CapoPolicySpec = &policy.spec;
-        if capo_api::keys::reservation_name(&name).len() > 253 {
+        if capo_api::keys::shard_name(&name, crate::calico::shards::MAX_SHARDS).len() > 253 {
             return Err(PolicyError::NameTooLong(name));
         }
         if spec.namespace_selector.is_none() && spec.pod_selector.is_none() && spec.workloads.is_none() {
@@ -118,6 +122,7 @@ impl CompiledPolicy {
             workloads: spec.workloads.clone(),
             reserve_for,
             max_reserved: spec.max_reserved,
+            max_reserved_per_namespace: spec.max_reserved_per_namespace,
             release_interval,
             priority: spec.priority,
             on_hold_failure: spec.on_hold_failure,
@@ -155,7 +160,9 @@ mod tests {
         assert_eq!(c.max_reserved, 300);
         assert_eq!(c.release_interval, Duration::from_secs(5));
         assert_eq!(c.on_hold_failure, HoldFailureAction::Deny);
-        assert!(c.allow_opt_in && c.skip.namespace_terminating && c.skip.owner_deleted);
+        assert!(!c.allow_opt_in, "opt-in by annotation is off unless a policy allows it");
+        assert!(c.skip.namespace_terminating && c.skip.owner_deleted);
+        assert_eq!(c.max_reserved_per_namespace, None);
         assert_eq!(c.reserve_for_bounds, None);
         assert_eq!(c.generation, Some(3));
         assert_eq!(c.reservation_name(), "capo-p");

@@ -34,6 +34,8 @@ pub struct PolicyController {
     status_fence: Option<Fence>,
     /// What this replica last wrote per policy: (generation, status, reason, message).
     written: HashMap<String, (Option<i64>, String, String, String)>,
+    /// Told whenever the matcher is swapped.
+    changes: tokio::sync::broadcast::Sender<()>,
 }
 
 impl PolicyController {
@@ -44,8 +46,9 @@ impl PolicyController {
         metrics: Arc<Metrics>,
         field_manager: String,
         status_fence: Option<Fence>,
+        changes: tokio::sync::broadcast::Sender<()>,
     ) -> Self {
-        Self { client, matcher, readiness, metrics, field_manager, status_fence, written: HashMap::new() }
+        Self { client, matcher, readiness, metrics, field_manager, status_fence, written: HashMap::new(), changes }
     }
 
     /// Resolves when this replica becomes (or stops being) the leader; never without a fence.
@@ -97,6 +100,7 @@ impl PolicyController {
                     self.write_statuses(policies.values()).await;
                 }
                 Ok(watcher::Event::Apply(p)) => {
+                    self.metrics.policy_events.inc();
                     let name = entry_name(&p.0);
                     // Status writes come back as events too: only a new generation (or a
                     // policy that turns valid or invalid) changes the matcher, and only this
@@ -111,6 +115,7 @@ impl PolicyController {
                     self.write_statuses(policies.get(&name)).await;
                 }
                 Ok(watcher::Event::Delete(p)) => {
+                    self.metrics.policy_events.inc();
                     // The policy's held IPs stay held: release is the leader's job, on
                     // schedule (a deleted policy never releases early by itself).
                     let name = entry_name(&p.0);
@@ -137,6 +142,7 @@ impl PolicyController {
         let matcher = Matcher::new(usable);
         info!(ready, invalid, order = ?matcher.policies().iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), "policies loaded");
         self.matcher.store(Arc::new(matcher));
+        let _ = self.changes.send(());
         self.metrics.policies.with_label_values(&["ready"]).set(ready as i64);
         self.metrics.policies.with_label_values(&["invalid"]).set(invalid as i64);
         self.readiness.set_policies_synced();

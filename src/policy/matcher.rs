@@ -40,18 +40,35 @@ pub struct HoldPlan {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SkipReason {
+    /// kube-system, capo's own namespace, or another the operator excluded.
+    Excluded,
+    /// A DELETE that finishes a deletion already under way (the kubelet's last one): the
+    /// deletion was reviewed when it began, and one that began unreviewed is the safety
+    /// net's.
+    AlreadyDeleting,
+    /// capo already released this Pod's hold while the Pod stayed, or found its IPs taken
+    /// (`capo.io/released`, `capo.io/not-held`): a hold belongs to one Pod UID, once.
+    Done(&'static str),
     NoIps,
     HostNetwork,
     OptedOut,
     NotSelected,
-    NamespaceTerminating { policy: String },
-    OwnerDeleted { policy: String },
+    NamespaceTerminating {
+        policy: String,
+    },
+    OwnerDeleted {
+        policy: String,
+    },
 }
 
 impl SkipReason {
     /// A short label for metrics and logs.
     pub fn as_str(&self) -> &'static str {
         match self {
+            Self::Excluded => "excluded",
+            Self::AlreadyDeleting => "already_deleting",
+            Self::Done("released") => "released_before",
+            Self::Done(_) => "taken_before",
             Self::NoIps => "no_ips",
             Self::HostNetwork => "host_network",
             Self::OptedOut => "opted_out",
@@ -256,9 +273,14 @@ mod tests {
                 "strict",
                 json!({"podSelector": {"matchLabels": {"never": "x"}}, "podOverrides": {"allowOptIn": false}}),
             ),
-            compiled("open", json!({"podSelector": {"matchLabels": {"never": "x"}}})),
+            compiled(
+                "open",
+                json!({"podSelector": {"matchLabels": {"never": "x"}}, "podOverrides": {"allowOptIn": true}}),
+            ),
+            compiled("default", json!({"podSelector": {"matchLabels": {"never": "x"}}, "priority": 5})),
         ]);
         let ns = labels(&[]);
+        // Opt-in is off unless the policy allows it: "default" outranks "open" but is not chosen.
         assert_eq!(held_by(&m.decide(&pod(json!({}), json!({"capo.io/policy": "open"})), &ctx(&ns))), Some("open"));
         assert_eq!(held_by(&m.decide(&pod(json!({}), json!({"capo.io/hold": "true"})), &ctx(&ns))), Some("open"));
         assert_eq!(m.decide(&pod(json!({}), json!({})), &ctx(&ns)), Decision::Skip(SkipReason::NotSelected));

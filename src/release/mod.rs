@@ -1,15 +1,19 @@
-//! The leader's work on held IPs: count them down from the moment their Pod is gone,
-//! release them on time (TTL, cap, manual, Pod kept, workload gone) and paced, repair
-//! reservations and records against each other, and hold selected Pods that terminate
-//! without passing through the webhook (the safety net).
+//! The leader's work on held IPs: count each hold down from the moment its Pod is gone,
+//! release it on time (TTL, cap, manual, Pod kept, workload gone), paced; repair
+//! reservations and records against each other.
 //!
-//! [`plan`] decides with no I/O; [`engine`] watches, plans and carries the plan out
-//! through [`writes`], every write fenced by the Lease.
+//! The pure parts decide with no I/O — [`decide`] (one hold), [`cap`] (one policy),
+//! [`repair`] (one reservation), [`pacer`] (release slots) — and are unit-tested; the
+//! [`controller`] runs them per key from a [`queue`], every write fenced by the Lease
+//! ([`writes`], [`crate::calico`]).
 
-pub mod engine;
-pub mod plan;
-pub mod watches;
+pub mod cap;
+pub mod controller;
+pub mod decide;
+pub mod pacer;
+pub mod queue;
+pub mod repair;
 pub mod writes;
 
-pub use engine::{EngineSettings, ReleaseEngine};
-pub use plan::{PlanSettings, ReleaseReason};
+pub use controller::{EngineSettings, ReleaseEngine};
+pub use decide::{PlanSettings, ReleaseReason};

@@ -27,11 +27,19 @@ pub struct Rule {
     /// A substring of the path (and query).
     pub path: String,
     pub fault: Fault,
+    /// Fire this many times, then let requests through (`None`: always).
+    pub times: Option<usize>,
 }
 
 impl Rule {
     pub fn new(method: Method, path: &str, fault: Fault) -> Self {
-        Self { method, path: path.to_string(), fault }
+        Self { method, path: path.to_string(), fault, times: None }
+    }
+
+    /// The same rule, firing only `n` times.
+    pub fn times(mut self, n: usize) -> Self {
+        self.times = Some(n);
+        self
     }
 }
 
@@ -40,6 +48,10 @@ struct Shared {
     upstream: Client,
     rules: Arc<Mutex<Vec<Rule>>>,
     injected: Arc<std::sync::atomic::AtomicUsize>,
+    /// Every request that reached the proxy: (method, path and query).
+    log: Arc<Mutex<Vec<(Method, String)>>>,
+    /// Requests held back by a `Delay` fault and not answered yet.
+    delayed: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 pub struct FaultProxy {
@@ -56,7 +68,17 @@ impl Drop for FaultProxy {
 
 async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> {
     let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
-    let rule = s.rules.lock().unwrap().iter().find(|r| r.method == req.method() && path.contains(&r.path)).cloned();
+    s.log.lock().unwrap().push((req.method().clone(), path.clone()));
+    let rule = {
+        let mut rules = s.rules.lock().unwrap();
+        let hit = rules.iter_mut().find(|r| r.method == req.method() && path.contains(&r.path) && r.times != Some(0));
+        hit.map(|r| {
+            if let Some(n) = r.times.as_mut() {
+                *n -= 1;
+            }
+            r.clone()
+        })
+    };
     if let Some(rule) = &rule {
         s.injected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match &rule.fault {
@@ -72,7 +94,19 @@ async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> 
                 }
                 return resp.body(Body::from(body.to_string())).unwrap();
             }
-            Fault::Delay(d) => tokio::time::sleep(*d).await,
+            Fault::Delay(d) => {
+                // The request is on the wire: it reaches the API server after the delay even
+                // if its sender has given up on it meanwhile.
+                s.delayed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let (d, shared) = (*d, s.clone());
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move {
+                    let _done = DelayDone(shared.delayed.clone());
+                    tokio::time::sleep(d).await;
+                    let _ = tx.send(send(&shared, req, path).await);
+                });
+                return rx.await.unwrap_or_else(|_| Response::builder().status(502).body(Body::empty()).unwrap());
+            }
             Fault::Drop => {
                 // A body that fails at once: the server aborts the connection.
                 let failing =
@@ -81,6 +115,19 @@ async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> 
             }
         }
     }
+    send(&s, req, path).await
+}
+
+/// Counts a delayed request as answered when dropped.
+struct DelayDone(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for DelayDone {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+async fn send(s: &Shared, req: Request<Body>, path: String) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
     parts.headers.remove("host");
     parts.uri = path.parse().unwrap();
@@ -100,7 +147,13 @@ async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> 
 
 impl FaultProxy {
     pub async fn start(upstream: Client) -> FaultProxy {
-        let shared = Shared { upstream, rules: Default::default(), injected: Default::default() };
+        let shared = Shared {
+            upstream,
+            rules: Default::default(),
+            injected: Default::default(),
+            log: Default::default(),
+            delayed: Default::default(),
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let app = axum::Router::new().fallback(forward).with_state(shared.clone());
@@ -123,6 +176,21 @@ impl FaultProxy {
 
     pub fn clear(&self) {
         self.shared.rules.lock().unwrap().clear();
+    }
+
+    /// The requests seen so far, as (method, path and query).
+    pub fn requests(&self) -> Vec<(Method, String)> {
+        self.shared.log.lock().unwrap().clone()
+    }
+
+    /// Forgets the requests seen so far.
+    pub fn clear_requests(&self) {
+        self.shared.log.lock().unwrap().clear();
+    }
+
+    /// How many requests a `Delay` fault holds back right now.
+    pub fn delayed(&self) -> usize {
+        self.shared.delayed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// How many requests got a fault.

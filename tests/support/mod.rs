@@ -20,8 +20,12 @@ use serde_json::json;
 #[allow(unused_imports)]
 pub use capo_testenv::TestNamespace;
 
+pub mod argocd;
+pub mod audit;
 pub mod calico;
 pub mod faults;
+pub mod leading;
+pub mod plane;
 
 #[allow(unused_imports)]
 pub use calico::{IpFamilies, create_pod_with_calico_ips};
@@ -180,9 +184,14 @@ pub async fn start_capo(client: &Client, namespaces: &[&str], calico: Option<Cal
 }
 
 /// Starts capo with `settings` and returns once the API server calls it for Pods in `ns`.
-pub async fn start_capo_with(client: &Client, ns: &str, settings: Settings) -> capo::App {
+/// capo's logs in the test's output (`RUST_LOG`, default warnings).
+pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter(filter).try_init();
+}
+
+pub async fn start_capo_with(client: &Client, ns: &str, settings: Settings) -> capo::App {
+    init_tracing();
     let name = settings.self_register.as_ref().map(|r| r.name.clone()).unwrap_or_default();
     let app = capo::App::start(client.clone(), settings).await.expect("start capo");
     let admin = self::client().await;
@@ -345,6 +354,24 @@ pub async fn reservation(client: &Client, group: CalicoApiGroup, name: &str) -> 
             .map(|a| a.iter().map(|v| v.as_str().unwrap().to_string()).collect())
             .unwrap_or_default(),
     )
+}
+
+/// Every entry of the capo-owned reservations of `policy` in `group` (all of its shards),
+/// sorted.
+pub async fn policy_entries(client: &Client, group: CalicoApiGroup, policy: &str) -> Vec<String> {
+    let api = Api::<DynamicObject>::all_with(client.clone(), &group.ip_reservation());
+    let lp = kube::api::ListParams::default().labels(&format!("capo.io/policy={policy}"));
+    let mut all: Vec<String> = api
+        .list(&lp)
+        .await
+        .expect("list IPReservations")
+        .items
+        .iter()
+        .flat_map(|o| o.data["spec"]["reservedCIDRs"].as_array().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
+    all.sort();
+    all
 }
 
 pub async fn record(client: &Client, ip: IpAddr) -> Option<ReservedIP> {

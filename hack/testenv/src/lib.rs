@@ -11,6 +11,7 @@
 //! - [`TestNamespace`] gives each test its own namespace.
 //! - The `capo-testenv` binary behind `make testenv-up`/`testenv-down` runs the same code.
 
+pub mod argocd;
 mod binaries;
 mod kubeconfig;
 mod nodes;
@@ -60,6 +61,10 @@ pub struct Options {
     pub state_dir: PathBuf,
     /// How many kwok nodes to create (`kwok-node-0`, ...).
     pub nodes: usize,
+    /// Write an audit log of every write to Calico's IPReservations, capo's records and
+    /// Leases (`<state_dir>/audit.log`, JSON lines), so tests can count writes as the API
+    /// server saw them.
+    pub audit: bool,
 }
 
 /// Calico in the control plane: which datastore Calico's IPAM library uses.
@@ -99,6 +104,31 @@ impl CalicoEtcd {
         ]
     }
 }
+
+impl Options {
+    pub fn new(state_dir: impl Into<PathBuf>, nodes: usize) -> Self {
+        Self { state_dir: state_dir.into(), nodes, audit: false }
+    }
+}
+
+/// What the audit log records (see [`Options::audit`]).
+const AUDIT_POLICY: &str = r#"apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+- level: Request
+  verbs: ["create", "update", "patch", "delete"]
+  resources:
+  - group: "crd.projectcalico.org"
+    resources: ["ipreservations"]
+  - group: "projectcalico.org"
+    resources: ["ipreservations"]
+  - group: "capo.io"
+    resources: ["reservedips", "reservedips/status"]
+  - group: "coordination.k8s.io"
+    resources: ["leases"]
+- level: None
+"#;
 
 /// A running control plane. Its processes stop when it is dropped, or when the thread
 /// that started it exits.
@@ -165,6 +195,18 @@ impl ControlPlane {
             components: vec![],
         };
 
+        let mut audit_args = Vec::new();
+        if opts.audit {
+            let policy = state.join("audit-policy.yaml");
+            std::fs::write(&policy, AUDIT_POLICY).map_err(io(&policy))?;
+            audit_args = vec![
+                path_arg("audit-policy-file", &policy),
+                path_arg("audit-log-path", &state.join("audit.log")),
+                "--audit-log-format=json".into(),
+                "--audit-log-mode=blocking".into(),
+                "--audit-log-maxsize=1024".into(),
+            ];
+        }
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
         cp.spawn(
@@ -184,31 +226,34 @@ impl ControlPlane {
         cp.spawn(
             "kube-apiserver",
             &bin.join("kube-apiserver"),
-            vec![
-                format!("--etcd-servers={etcd_url}"),
-                format!("--secure-port={api_port}"),
-                "--bind-address=127.0.0.1".into(),
-                "--advertise-address=127.0.0.1".into(),
-                path_arg("tls-cert-file", &p("apiserver.crt")),
-                path_arg("tls-private-key-file", &p("apiserver.key")),
-                path_arg("client-ca-file", &p("ca.crt")),
-                path_arg("cert-dir", &pki_dir),
-                "--authorization-mode=Node,RBAC".into(),
-                "--service-cluster-ip-range=10.0.0.0/24".into(),
-                "--service-account-issuer=https://kubernetes.default.svc".into(),
-                path_arg("service-account-key-file", &p("sa.pub")),
-                path_arg("service-account-signing-key-file", &p("sa.key")),
-                "--endpoint-reconciler-type=none".into(),
-                // Webhooks behind a Service are called at the Service's endpoints, so a
-                // capo outside the cluster can be reached through the manifests' Service
-                // (see route.rs).
-                "--enable-aggregator-routing=true".into(),
-                // Namespaces are created by tests right before their Pods; do not race the
-                // service-account controller for the default ServiceAccount.
-                "--disable-admission-plugins=ServiceAccount".into(),
-                "--allow-privileged=true".into(),
-                "--v=1".into(),
-            ],
+            audit_args
+                .into_iter()
+                .chain([
+                    format!("--etcd-servers={etcd_url}"),
+                    format!("--secure-port={api_port}"),
+                    "--bind-address=127.0.0.1".into(),
+                    "--advertise-address=127.0.0.1".into(),
+                    path_arg("tls-cert-file", &p("apiserver.crt")),
+                    path_arg("tls-private-key-file", &p("apiserver.key")),
+                    path_arg("client-ca-file", &p("ca.crt")),
+                    path_arg("cert-dir", &pki_dir),
+                    "--authorization-mode=Node,RBAC".into(),
+                    "--service-cluster-ip-range=10.0.0.0/24".into(),
+                    "--service-account-issuer=https://kubernetes.default.svc".into(),
+                    path_arg("service-account-key-file", &p("sa.pub")),
+                    path_arg("service-account-signing-key-file", &p("sa.key")),
+                    "--endpoint-reconciler-type=none".into(),
+                    // Webhooks behind a Service are called at the Service's endpoints, so a
+                    // capo outside the cluster can be reached through the manifests' Service
+                    // (see route.rs).
+                    "--enable-aggregator-routing=true".into(),
+                    // Namespaces are created by tests right before their Pods; do not race the
+                    // service-account controller for the default ServiceAccount.
+                    "--disable-admission-plugins=ServiceAccount".into(),
+                    "--allow-privileged=true".into(),
+                    "--v=1".into(),
+                ])
+                .collect(),
         )?;
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io(&state))?;
         rt.block_on(cp.wait_api_ready(Duration::from_secs(90)))?;
@@ -295,7 +340,12 @@ impl ControlPlane {
         args: Vec<String>,
         env: &[(String, String)],
     ) -> Result<(), Error> {
-        let c = Component::spawn(name, program, &args, env, &self.state_dir)?;
+        let launch = process::Launch {
+            program: program.to_path_buf(),
+            args,
+            env: env.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect(),
+        };
+        let c = Component::launch(name, launch, &self.state_dir)?;
         self.components.push(c);
         Ok(())
     }
@@ -495,6 +545,18 @@ fn sweep_stale(root: &Path) {
     }
 }
 
+/// A state directory for something a test binary starts next to a control plane it is
+/// attached to (`CAPO_TEST_KUBECONFIG`); removed by the next start's sweep once the test
+/// binary is gone.
+fn attached_state_dir(what: &str) -> PathBuf {
+    let root = test_state_root();
+    sweep_stale(&root);
+    let dir = root.join(format!("{}-{what}", std::process::id()));
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(dir.join("pid"), std::process::id().to_string());
+    dir
+}
+
 /// The control plane a test binary talks to.
 pub struct Shared {
     pub kubeconfig: PathBuf,
@@ -538,7 +600,7 @@ pub fn shared_with(calico: Calico) -> &'static Shared {
         sweep_stale(&root);
         let state_dir = root.join(format!("{}", std::process::id()));
         let (tx, rx) = std::sync::mpsc::channel();
-        let opts = Options { state_dir: state_dir.clone(), nodes: 2 };
+        let opts = Options::new(state_dir.clone(), 2);
         std::thread::Builder::new()
             .name("capo-testenv".into())
             .spawn(move || {

@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,20 +13,21 @@ use crate::Error;
 pub struct Component {
     pub name: &'static str,
     child: Child,
-    program: PathBuf,
-    args: Vec<String>,
-    env: Vec<(String, String)>,
+    launch: Launch,
+}
+
+/// What a component runs: the program, its flags, and environment variables added to
+/// (or, with `None`, removed from) the test process's own.
+#[derive(Clone, Debug, Default)]
+pub struct Launch {
+    pub program: std::path::PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, Option<String>)>,
 }
 
 impl Component {
-    /// Starts `program` as the component `name` (its log is `<name>.log` in `state_dir`).
-    pub fn spawn(
-        name: &'static str,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        state_dir: &Path,
-    ) -> Result<Self, Error> {
+    /// Runs `launch`, logging to `<state_dir>/<name>.log`.
+    pub fn launch(name: &'static str, launch: Launch, state_dir: &Path) -> Result<Self, Error> {
         let log_path = state_dir.join(format!("{name}.log"));
         let log = File::options()
             .create(true)
@@ -34,8 +35,14 @@ impl Component {
             .open(&log_path)
             .map_err(|source| Error::Io { path: log_path.clone(), source })?;
         let log_err = log.try_clone().map_err(|source| Error::Io { path: log_path.clone(), source })?;
-        let mut cmd = Command::new(program);
-        cmd.args(args).envs(env.iter().cloned()).stdin(Stdio::null()).stdout(log).stderr(log_err);
+        let mut cmd = Command::new(&launch.program);
+        cmd.args(&launch.args).stdin(Stdio::null()).stdout(log).stderr(log_err);
+        for (key, value) in &launch.env {
+            match value {
+                Some(v) => cmd.env(key, v),
+                None => cmd.env_remove(key),
+            };
+        }
         // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
@@ -45,14 +52,14 @@ impl Component {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|source| Error::Io { path: program.to_path_buf(), source })?;
-        Ok(Self { name, child, program: program.to_path_buf(), args: args.to_vec(), env: env.to_vec() })
+        let child = cmd.spawn().map_err(|source| Error::Io { path: launch.program.clone(), source })?;
+        Ok(Self { name, child, launch })
     }
 
     /// Stops the process (SIGTERM, then SIGKILL) and starts it again with the same flags.
     pub fn restart(&mut self, state_dir: &Path) -> Result<(), Error> {
         self.stop(Duration::from_secs(10));
-        *self = Self::spawn(self.name, &self.program.clone(), &self.args.clone(), &self.env.clone(), state_dir)?;
+        *self = Self::launch(self.name, self.launch.clone(), state_dir)?;
         Ok(())
     }
 

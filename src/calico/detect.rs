@@ -27,16 +27,31 @@ fn choose(v1: bool, v3: bool) -> CalicoApiGroup {
     if v3 && !v1 { CalicoApiGroup::V3 } else { CalicoApiGroup::CrdV1 }
 }
 
-pub async fn detect_calico_api(client: &Client) -> CalicoApiGroup {
+/// The group capo writes holds in, and every group that serves IPReservations (capo
+/// releases holds from all of them: holds made before a switch stay where they are).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Detected {
+    pub chosen: CalicoApiGroup,
+    pub served: Vec<CalicoApiGroup>,
+}
+
+/// Asks discovery which groups serve IPReservations; `forced` (`--calico-api`) overrides
+/// the choice but not what is watched.
+pub async fn detect_calico_api(client: &Client, forced: Option<CalicoApiGroup>) -> Detected {
     let mut delay = Duration::from_millis(200);
     for attempt in 1..=ATTEMPTS {
         let v1 = serves_ip_reservations(client, CalicoApiGroup::CrdV1).await;
         let v3 = serves_ip_reservations(client, CalicoApiGroup::V3).await;
         match (v1, v3) {
             (Ok(v1), Ok(v3)) => {
-                let chosen = choose(v1, v3);
+                let chosen = forced.unwrap_or_else(|| choose(v1, v3));
+                let served: Vec<CalicoApiGroup> = [(CalicoApiGroup::CrdV1, v1), (CalicoApiGroup::V3, v3)]
+                    .into_iter()
+                    .filter(|(_, s)| *s)
+                    .map(|(g, _)| g)
+                    .collect();
                 info!(crd_v1 = v1, v3, chosen = %chosen, "detected the Calico API");
-                return chosen;
+                return Detected { chosen, served };
             }
             (v1, v3) => {
                 let error = v1.err().or(v3.err()).map(|e| e.to_string()).unwrap_or_default();
@@ -46,8 +61,9 @@ pub async fn detect_calico_api(client: &Client) -> CalicoApiGroup {
             }
         }
     }
-    warn!("Calico API discovery kept failing; using crd.projectcalico.org/v1 (set --calico-api to choose)");
-    CalicoApiGroup::CrdV1
+    let chosen = forced.unwrap_or(CalicoApiGroup::CrdV1);
+    warn!(chosen = %chosen, "Calico API discovery kept failing; set --calico-api to choose");
+    Detected { chosen, served: vec![chosen] }
 }
 
 #[cfg(test)]

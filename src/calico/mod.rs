@@ -1,0 +1,15 @@
+//! capo's Calico `IPReservation`s: the one module that reads and writes them, for both
+//! API groups — parsing and checking entries ([`entry`]), spreading a policy's holds over
+//! shards ([`shards`]), the watched copy ([`index`]) and the conflict-free, fenced write
+//! protocol ([`writer`]). Which group the cluster serves is detected the way Calico does
+//! ([`detect`]).
+
+mod detect;
+pub mod entry;
+pub mod index;
+pub mod shards;
+mod writer;
+
+pub use detect::{Detected, detect_calico_api};
+pub use index::{IndexEvent, ReservationIndex, ShardKey, ShardView};
+pub use writer::{CalicoError, Reservations, is_type_not_served};

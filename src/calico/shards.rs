@@ -1,0 +1,80 @@
+//! How a policy's holds are spread over its capo-owned reservations ("shards"), so that
+//! writing one hold costs the same however many the policy holds, and one policy can hold
+//! 100,000 IPs although one object fits about 31,000 IPv4 entries.
+//!
+//! - A policy has `count(maxReserved)` shards, enough that at its cap each is about half
+//!   full (docs/release.md gives the measurements behind [`SHARD_SIZE`]).
+//! - An entry's home shard is a hash of the entry over that count: every replica picks the
+//!   same shard without asking anyone.
+//! - A shard that holds [`SHARD_SIZE`] entries or more (by the watched copy), or whose name
+//!   is taken by an object that is not this policy's, is skipped for the next one; past
+//!   the last, overflow shards follow. So no shard grows past its bound, whatever the
+//!   count of holds, and a full shard never refuses a deletion.
+//! - Shard 0 is `capo-<policy>`, the one object earlier versions wrote: their holds stay
+//!   where they are and are released from there.
+
+/// The most entries capo puts in one reservation object.
+pub const SHARD_SIZE: usize = 2_000;
+/// The highest shard index capo uses (overflow included): far more than 100,000 holds need.
+pub const MAX_SHARDS: u32 = 9_999;
+
+/// How many home shards a policy with this cap has.
+pub fn count(max_reserved: u32) -> u32 {
+    let per_shard = (SHARD_SIZE / 2) as u64;
+    (u64::from(max_reserved).div_ceil(per_shard)).clamp(1, u64::from(MAX_SHARDS)) as u32
+}
+
+/// FNV-1a: stable across processes and versions (unlike the standard library's hasher).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The home shard of `entry` among `count`.
+pub fn home(entry: &str, count: u32) -> u32 {
+    (fnv1a(entry.as_bytes()) % u64::from(count.max(1))) as u32
+}
+
+/// The shards to try for `entry`, in order: home, the rest of the home shards, then
+/// overflow shards.
+pub fn probe_order(entry: &str, count: u32) -> impl Iterator<Item = u32> {
+    let count = count.clamp(1, MAX_SHARDS);
+    let h = home(entry, count);
+    (h..count).chain(0..h).chain(count..=MAX_SHARDS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts() {
+        assert_eq!(count(1), 1);
+        assert_eq!(count(300), 1);
+        assert_eq!(count(1_000), 1);
+        assert_eq!(count(1_001), 2);
+        assert_eq!(count(100_000), 100);
+    }
+
+    #[test]
+    fn homes_spread_evenly_and_are_stable() {
+        let n = 10;
+        let mut per = vec![0usize; n as usize];
+        for i in 0..20_000u32 {
+            let entry = format!("10.{}.{}.{}/32", i >> 16, (i >> 8) & 0xff, i & 0xff);
+            per[home(&entry, n) as usize] += 1;
+        }
+        assert!(per.iter().all(|&c| (1_800..=2_200).contains(&c)), "{per:?}");
+        assert_eq!(home("10.0.0.1/32", 7), home("10.0.0.1/32", 7));
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c, "FNV-1a 64 of \"a\"");
+    }
+
+    #[test]
+    fn probing_visits_every_home_shard_once_then_overflows() {
+        let order: Vec<u32> = probe_order("10.0.0.1/32", 4).take(6).collect();
+        let mut homes = order[..4].to_vec();
+        homes.sort();
+        assert_eq!(homes, vec![0, 1, 2, 3]);
+        assert_eq!(&order[4..], &[4, 5]);
+        assert_eq!(order[0], home("10.0.0.1/32", 4));
+    }
+}

@@ -1,0 +1,664 @@
+//! Every write to capo-owned Calico `IPReservation`s, for both API groups:
+//!
+//! - **holds** (every replica): an entry already listed in one of the policy's shards is
+//!   confirmed by a write that only tests it is there (the API server writes nothing);
+//!   otherwise it is appended to the first shard with room ([`super::shards`]).
+//!   Concurrent appends to one shard are group-committed: while one patch is in flight,
+//!   new entries queue and go out together in the next. An append tests capo's ownership
+//!   and the policy label, and adds at the end of the list, so it never loses a concurrent
+//!   append; a duplicate counts as success.
+//! - **releases and repairs** (the leader): removals test each entry at its index in the
+//!   watched copy (no read first) and the shard's leader epoch, which the leader raised
+//!   when it took over; a replica that lost the Lease fails that test and stops. Nothing
+//!   is retried once the fence is closed.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use capo_api::CalicoApiGroup;
+use capo_api::calico::RESERVED_CIDRS;
+use capo_api::keys::{LEADER_EPOCH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL, shard_name};
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::Status;
+use kube::{Client, Error as KubeError};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use tracing::debug;
+
+use super::entry::pointer_escape;
+use super::index::{ReservationIndex, ShardView};
+use super::shards::{self, SHARD_SIZE};
+use crate::leader::{Fence, NotLeader};
+
+/// How often one write retries after conflicts or throttling.
+const ATTEMPTS: usize = 10;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CalicoError {
+    #[error("{api} IPReservation is not served by the API server: is Calico (or its CRDs) installed?")]
+    NotServed { api: CalicoApiGroup },
+    #[error(
+        "IPReservation {name} exists but is not managed by capo (label {MANAGED_BY_LABEL}={MANAGED_BY_VALUE} missing); capo will not touch it"
+    )]
+    NotOwned { name: String },
+    #[error("IPReservation {name} belongs to policy {other:?}, not {policy}")]
+    OtherPolicy { name: String, policy: String, other: Option<String> },
+    #[error("IPReservation {name} is full: {message}")]
+    Full { name: String, message: String },
+    #[error("every reservation of policy {policy} is full or taken ({tried} tried)")]
+    NoRoom { policy: String, tried: u32 },
+    #[error("forbidden: {message}")]
+    Forbidden { message: String },
+    #[error("gave up after {ATTEMPTS} attempts that conflicted or were throttled")]
+    Contention,
+    #[error("the writer of this reservation stopped")]
+    WriterGone,
+    #[error("the API server rejected the entry: {message}")]
+    Rejected { message: String },
+    #[error(transparent)]
+    NotLeader(#[from] NotLeader),
+    #[error(
+        "IPReservation {name} carries leader epoch {seen}, newer than this replica's {epoch}: another replica leads"
+    )]
+    Fenced { name: String, epoch: u64, seen: u64 },
+    #[error("{0}")]
+    Api(#[source] Arc<KubeError>),
+}
+
+impl CalicoError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::NotServed { .. } => "calico_not_served",
+            Self::NotOwned { .. } => "not_owned",
+            Self::OtherPolicy { .. } => "other_policy",
+            Self::Full { .. } => "full",
+            Self::NoRoom { .. } => "no_room",
+            Self::Forbidden { .. } => "forbidden",
+            Self::Contention => "contention",
+            Self::WriterGone => "writer_gone",
+            Self::Rejected { .. } => "rejected",
+            Self::NotLeader(_) => "not_leader",
+            Self::Fenced { .. } => "fenced",
+            Self::Api(_) => "api",
+        }
+    }
+
+    /// Whether another shard may take the entry instead.
+    fn try_next_shard(&self) -> bool {
+        matches!(self, Self::NotOwned { .. } | Self::OtherPolicy { .. } | Self::Full { .. })
+    }
+}
+
+fn status_of(e: &KubeError) -> Option<&Status> {
+    match e {
+        KubeError::Api(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// The API server's answer when a resource type (not an object) does not exist: a 404
+/// that names no object.
+pub fn is_type_not_served(s: &Status) -> bool {
+    s.code == 404 && s.details.as_ref().is_none_or(|d| d.name.is_empty())
+}
+
+/// etcd refuses an object past its request size limit (1.5 MiB by default); the API
+/// server passes that on.
+fn is_too_large(s: &Status) -> bool {
+    s.code == 413 || s.message.contains("too large")
+}
+
+fn json_patch(ops: Vec<Value>) -> Patch<()> {
+    Patch::Json(serde_json::from_value::<json_patch::Patch>(Value::Array(ops)).expect("static patch shape"))
+}
+
+fn label_path(key: &str) -> String {
+    format!("/metadata/labels/{}", pointer_escape(key))
+}
+
+fn epoch_path() -> String {
+    format!("/metadata/annotations/{}", pointer_escape(LEADER_EPOCH_ANNOTATION))
+}
+
+/// The tests that open every write: capo owns the object, and it is this policy's.
+fn ownership(policy: Option<&str>) -> Vec<Value> {
+    let mut ops = vec![json!({ "op": "test", "path": label_path(MANAGED_BY_LABEL), "value": MANAGED_BY_VALUE })];
+    if let Some(p) = policy {
+        ops.push(json!({ "op": "test", "path": label_path(POLICY_LABEL), "value": p }));
+    }
+    ops
+}
+
+struct Waiter {
+    cidr: String,
+    done: oneshot::Sender<Result<(), CalicoError>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Shards with a writer task running: (policy, entries waiting).
+    pending: HashMap<(CalicoApiGroup, String), (String, Vec<Waiter>)>,
+}
+
+/// capo's reservations, for holds in the active group and for the leader's work in any.
+#[derive(Clone)]
+pub struct Reservations {
+    client: Client,
+    group: CalicoApiGroup,
+    index: Arc<ReservationIndex>,
+    queue: Arc<Mutex<Queue>>,
+    /// Shard names found taken by an object that is not the policy's: skipped from now on.
+    taken: Arc<Mutex<HashSet<(CalicoApiGroup, String)>>>,
+}
+
+impl Reservations {
+    /// Holds go to `group`; the index is the watched copy of every served group.
+    pub fn new(client: Client, group: CalicoApiGroup, index: Arc<ReservationIndex>) -> Self {
+        Self { client, group, index, queue: Default::default(), taken: Default::default() }
+    }
+
+    pub fn group(&self) -> CalicoApiGroup {
+        self.group
+    }
+
+    pub fn index(&self) -> &Arc<ReservationIndex> {
+        &self.index
+    }
+
+    fn api(&self, group: CalicoApiGroup) -> Api<DynamicObject> {
+        Api::all_with(self.client.clone(), &group.ip_reservation())
+    }
+
+    fn classify(&self, group: CalicoApiGroup, e: KubeError) -> CalicoError {
+        match status_of(&e) {
+            Some(s) if is_type_not_served(s) => CalicoError::NotServed { api: group },
+            Some(s) if s.code == 403 => CalicoError::Forbidden { message: s.message.clone() },
+            _ => CalicoError::Api(Arc::new(e)),
+        }
+    }
+
+    /// Where [`Reservations::hold`] will most likely put `entry`: the policy's shard that
+    /// lists it already, or the first with room. (The record of a hold is written at the
+    /// same time as its entry, and names this shard.)
+    pub fn foresee(&self, policy: &str, count: u32, entry: &str) -> String {
+        if let Some((_, view)) = self
+            .index
+            .shards_with(entry)
+            .into_iter()
+            .find(|(g, v)| *g == self.group && v.policy.as_deref() == Some(policy))
+        {
+            return view.name.clone();
+        }
+        let taken = self.taken.lock().expect("taken lock");
+        shards::probe_order(entry, count)
+            .map(|i| shard_name(policy, i))
+            .find(|name| {
+                !taken.contains(&(self.group, name.clone()))
+                    && self
+                        .index
+                        .get(self.group, name)
+                        .is_none_or(|v| v.policy.as_deref() == Some(policy) && v.entries.len() < SHARD_SIZE)
+            })
+            .unwrap_or_else(|| shard_name(policy, 0))
+    }
+
+    /// Holds `entry` for `policy`, whose cap gives it `count` shards; returns the shard
+    /// that lists it once the API server has confirmed it there.
+    pub async fn hold(&self, policy: &str, count: u32, entry: &str) -> Result<String, CalicoError> {
+        for (group, view) in self.index.shards_with(entry) {
+            if group == self.group
+                && view.policy.as_deref() == Some(policy)
+                && let Some(at) = view.position(entry)
+                && self.confirm(&view.name, policy, at, entry).await?
+            {
+                return Ok(view.name.clone());
+            }
+        }
+        let mut tried = 0;
+        for i in shards::probe_order(entry, count) {
+            let name = shard_name(policy, i);
+            if self.taken.lock().expect("taken lock").contains(&(self.group, name.clone())) {
+                continue;
+            }
+            if let Some(view) = self.index.get(self.group, &name)
+                && (view.policy.as_deref() != Some(policy) || view.entries.len() >= SHARD_SIZE)
+            {
+                continue;
+            }
+            tried += 1;
+            match self.add(&name, policy, entry).await {
+                Ok(()) => return Ok(name),
+                Err(e) if e.try_next_shard() => {
+                    debug!(shard = %name, error = %e, "trying the next shard");
+                    if !matches!(e, CalicoError::Full { .. }) {
+                        self.taken.lock().expect("taken lock").insert((self.group, name));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(CalicoError::NoRoom { policy: policy.to_string(), tried })
+    }
+
+    /// Whether `entry` is at `at` in shard `name` right now: a patch of tests only, which the
+    /// API server answers without writing anything.
+    async fn confirm(&self, name: &str, policy: &str, at: usize, entry: &str) -> Result<bool, CalicoError> {
+        let mut ops = ownership(Some(policy));
+        ops.push(json!({ "op": "test", "path": format!("/spec/{RESERVED_CIDRS}/{at}"), "value": entry }));
+        match self.api(self.group).patch(name, &PatchParams::default(), &json_patch(ops)).await {
+            Ok(_) => Ok(true),
+            Err(KubeError::Api(s)) if s.code == 422 || (s.code == 404 && !is_type_not_served(&s)) => Ok(false),
+            Err(e) => Err(self.classify(self.group, e)),
+        }
+    }
+
+    /// Adds `cidr` to shard `name` (created on first use), together with whatever other
+    /// entries were queued for it meanwhile.
+    async fn add(&self, name: &str, policy: &str, cidr: &str) -> Result<(), CalicoError> {
+        let (done, result) = oneshot::channel();
+        let key = (self.group, name.to_string());
+        let start_writer = {
+            let mut q = self.queue.lock().expect("reservation queue lock");
+            let waiter = Waiter { cidr: cidr.to_string(), done };
+            match q.pending.get_mut(&key) {
+                Some((_, waiters)) => {
+                    waiters.push(waiter);
+                    false
+                }
+                None => {
+                    q.pending.insert(key.clone(), (policy.to_string(), vec![waiter]));
+                    true
+                }
+            }
+        };
+        if start_writer {
+            let writer = tokio::spawn(self.clone().write_batches(key.clone()));
+            // Should the writer die (a panic), its queue goes with it: the waiters get
+            // `WriterGone` at once and the next entry starts a new writer.
+            let queue = self.queue.clone();
+            tokio::spawn(async move {
+                if writer.await.is_err() {
+                    queue.lock().expect("reservation queue lock").pending.remove(&key);
+                }
+            });
+        }
+        result.await.unwrap_or(Err(CalicoError::WriterGone))
+    }
+
+    async fn write_batches(self, key: (CalicoApiGroup, String)) {
+        // Let the entries of a burst that arrive together go out together.
+        tokio::task::yield_now().await;
+        #[cfg(test)]
+        if tests::PANIC_NEXT_WRITER.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            panic!("a writer dies (test)");
+        }
+        loop {
+            let (policy, batch) = {
+                let mut q = self.queue.lock().expect("reservation queue lock");
+                match q.pending.get_mut(&key) {
+                    Some((policy, waiters)) if !waiters.is_empty() => (policy.clone(), std::mem::take(waiters)),
+                    _ => {
+                        q.pending.remove(&key);
+                        return;
+                    }
+                }
+            };
+            let cidrs: BTreeSet<String> = batch.iter().map(|w| w.cidr.clone()).collect();
+            let result = self.append(key.0, &key.1, &policy, None, cidrs.clone()).await;
+            if matches!(result, Err(CalicoError::Rejected { .. })) && cidrs.len() > 1 {
+                // One entry the server refuses must not fail the others: each on its own.
+                let mut each = HashMap::new();
+                for c in &cidrs {
+                    each.insert(
+                        c.clone(),
+                        self.append(key.0, &key.1, &policy, None, BTreeSet::from([c.clone()])).await,
+                    );
+                }
+                for w in batch {
+                    let r = each.get(&w.cidr).cloned().unwrap_or(Err(CalicoError::WriterGone));
+                    let _ = w.done.send(r);
+                }
+                continue;
+            }
+            debug!(reservation = %key.1, entries = batch.len(), ok = result.is_ok(), "reservation batch written");
+            for w in batch {
+                let _ = w.done.send(result.clone());
+            }
+        }
+    }
+
+    /// Appends every entry in `cidrs` to shard `name` of `group`; with `fence`, as the
+    /// leader (the shard's epoch is tested). The list is a set: entries the server rejects
+    /// as duplicates are dropped and the rest sent again.
+    async fn append(
+        &self,
+        group: CalicoApiGroup,
+        name: &str,
+        policy: &str,
+        fence: Option<&Fence>,
+        mut cidrs: BTreeSet<String>,
+    ) -> Result<(), CalicoError> {
+        let api = self.api(group);
+        for attempt in 0..ATTEMPTS {
+            if cidrs.is_empty() {
+                return Ok(());
+            }
+            let mut ops = ownership(Some(policy));
+            if let Some(f) = fence {
+                f.check()?;
+                ops.push(json!({ "op": "test", "path": epoch_path(), "value": f.epoch().to_string() }));
+            }
+            ops.extend(
+                cidrs.iter().map(|c| json!({ "op": "add", "path": format!("/spec/{RESERVED_CIDRS}/-"), "value": c })),
+            );
+            let err = match api.patch(name, &PatchParams::default(), &json_patch(ops)).await {
+                Ok(_) => return Ok(()),
+                Err(e) => e,
+            };
+            let Some(status) = status_of(&err) else { return Err(CalicoError::Api(Arc::new(err))) };
+            match status.code {
+                404 if !is_type_not_served(status) => {
+                    if self.create(group, name, policy, fence, &cidrs).await? {
+                        return Ok(());
+                    }
+                    continue; // created by somebody else meanwhile: append to theirs
+                }
+                422 => {
+                    let current = self.read_owned(group, name, Some(policy)).await?;
+                    if let Some(f) = fence
+                        && current.epoch != Some(f.epoch())
+                    {
+                        self.stamp_view(group, &current, f).await?;
+                        continue;
+                    }
+                    let present: HashSet<&String> = current.entries.iter().collect();
+                    let before = cidrs.len();
+                    cidrs.retain(|c| !present.contains(c));
+                    if cidrs.len() < before || cidrs.is_empty() {
+                        continue; // duplicates dropped; send the rest at once
+                    }
+                    if current.entries.is_empty() && !self.ensure_list(group, name, &current).await? {
+                        continue;
+                    }
+                    // Not a duplicate: the server refuses the entry itself.
+                    return Err(CalicoError::Rejected { message: status.message.clone() });
+                }
+                _ if is_too_large(status) => {
+                    return Err(CalicoError::Full { name: name.to_string(), message: status.message.clone() });
+                }
+                409 | 429 | 500 | 503 | 504 => {}
+                _ => return Err(self.classify(group, err)),
+            }
+            debug!(reservation = name, attempt, code = status.code, "retrying reservation append");
+            tokio::time::sleep(Duration::from_millis(10 * (1 << attempt.min(6)))).await;
+        }
+        Err(CalicoError::Contention)
+    }
+
+    /// Creates shard `name` holding `cidrs`. `Ok(false)`: somebody created it first.
+    async fn create(
+        &self,
+        group: CalicoApiGroup,
+        name: &str,
+        policy: &str,
+        fence: Option<&Fence>,
+        cidrs: &BTreeSet<String>,
+    ) -> Result<bool, CalicoError> {
+        let mut obj = DynamicObject::new(name, &group.ip_reservation());
+        obj.metadata.labels = Some(
+            [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, policy)].map(|(k, v)| (k.into(), v.into())).into(),
+        );
+        let epoch = fence.map_or(0, |f| f.epoch());
+        obj.metadata.annotations = Some([(LEADER_EPOCH_ANNOTATION.to_string(), epoch.to_string())].into());
+        obj.data = json!({ "spec": { RESERVED_CIDRS: cidrs } });
+        match self.api(group).create(&PostParams::default(), &obj).await {
+            Ok(_) => Ok(true),
+            Err(KubeError::Api(s)) if s.code == 409 => Ok(false),
+            Err(KubeError::Api(s)) if s.code == 422 => Err(CalicoError::Rejected { message: s.message.clone() }),
+            Err(KubeError::Api(s)) if is_too_large(&s) => {
+                Err(CalicoError::Full { name: name.to_string(), message: s.message.clone() })
+            }
+            Err(e) => Err(self.classify(group, e)),
+        }
+    }
+
+    /// Reads shard `name` and checks it is capo's (and `policy`'s, if given).
+    async fn read_owned(
+        &self,
+        group: CalicoApiGroup,
+        name: &str,
+        policy: Option<&str>,
+    ) -> Result<ShardView, CalicoError> {
+        let obj = self.api(group).get(name).await.map_err(|e| self.classify(group, e))?;
+        if !ShardView::is_owned(&obj) {
+            return Err(CalicoError::NotOwned { name: name.to_string() });
+        }
+        let view = ShardView::from_object(&obj);
+        if let Some(p) = policy
+            && view.policy.as_deref() != Some(p)
+        {
+            return Err(CalicoError::OtherPolicy {
+                name: name.to_string(),
+                policy: p.to_string(),
+                other: view.policy.clone(),
+            });
+        }
+        Ok(view)
+    }
+
+    /// Gives a capo object without an entry list an empty one (only if unchanged since
+    /// read). `Ok(false)`: it changed meanwhile; read again.
+    async fn ensure_list(&self, group: CalicoApiGroup, name: &str, current: &ShardView) -> Result<bool, CalicoError> {
+        let obj = self.api(group).get(name).await.map_err(|e| self.classify(group, e))?;
+        if obj.data.pointer(&format!("/spec/{RESERVED_CIDRS}")).is_some_and(Value::is_array) {
+            return Ok(true);
+        }
+        let fix = if obj.data.get("spec").is_some_and(Value::is_object) {
+            json!({ "op": "add", "path": format!("/spec/{RESERVED_CIDRS}"), "value": [] })
+        } else {
+            json!({ "op": "add", "path": "/spec", "value": { RESERVED_CIDRS: [] } })
+        };
+        let rv = current.resource_version.clone().unwrap_or_default();
+        let ops = vec![json!({ "op": "test", "path": "/metadata/resourceVersion", "value": rv }), fix];
+        match self.api(group).patch(name, &PatchParams::default(), &json_patch(ops)).await {
+            Ok(_) => Ok(false),
+            Err(KubeError::Api(s)) if s.code == 409 || s.code == 422 => Ok(false),
+            Err(e) => Err(self.classify(group, e)),
+        }
+    }
+
+    /// Raises the leader epoch of a shard to the fence's (only if unchanged since read).
+    async fn stamp_view(&self, group: CalicoApiGroup, view: &ShardView, fence: &Fence) -> Result<(), CalicoError> {
+        fence.check()?;
+        let epoch = fence.epoch();
+        if let Some(seen) = view.epoch.filter(|s| *s > epoch) {
+            fence.revoke();
+            return Err(CalicoError::Fenced { name: view.name.clone(), epoch, seen });
+        }
+        let rv = view.resource_version.clone().unwrap_or_default();
+        let set = if view.has_annotations {
+            json!({ "op": "add", "path": epoch_path(), "value": epoch.to_string() })
+        } else {
+            json!({ "op": "add", "path": "/metadata/annotations", "value": { LEADER_EPOCH_ANNOTATION: epoch.to_string() } })
+        };
+        let mut ops = ownership(None);
+        ops.push(json!({ "op": "test", "path": "/metadata/resourceVersion", "value": rv }));
+        ops.push(set);
+        match self.api(group).patch(&view.name, &PatchParams::default(), &json_patch(ops)).await {
+            Ok(_) => Ok(()),
+            // Changed meanwhile (an append), or a passing failure: the caller reads again.
+            Err(KubeError::Api(s))
+                if matches!(s.code, 409 | 422 | 429 | 500 | 503 | 504)
+                    || (s.code == 404 && !is_type_not_served(&s)) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(self.classify(group, e)),
+        }
+    }
+
+    /// A new leader raises the epoch of every capo-owned shard it sees (of the policies
+    /// `in_scope` says it acts on) before it writes anything, so that the replica it took
+    /// over from can no longer remove entries.
+    pub async fn stamp_all(&self, fence: &Fence, in_scope: impl Fn(&str) -> bool) -> Result<usize, CalicoError> {
+        let mut stamped = 0;
+        for (group, view) in self.index.all().into_values() {
+            if !in_scope(view.policy.as_deref().unwrap_or_default()) {
+                continue;
+            }
+            let mut view = (*view).clone();
+            for _ in 0..ATTEMPTS {
+                if view.epoch == Some(fence.epoch()) {
+                    break;
+                }
+                self.stamp_view(group, &view, fence).await?;
+                view = match self.read_owned(group, &view.name, None).await {
+                    Ok(v) => v,
+                    Err(CalicoError::Api(e)) if matches!(&*e, KubeError::Api(s) if s.code == 404) => break,
+                    Err(e) => return Err(e),
+                };
+                if view.epoch == Some(fence.epoch()) {
+                    stamped += 1;
+                }
+            }
+        }
+        Ok(stamped)
+    }
+
+    /// The leader removes `cidrs` from shard `name` of `group` with one patch: for each
+    /// entry a test of its value at its index in the watched copy, then its removal
+    /// (highest index first), after tests of ownership and the leader epoch. If anything
+    /// moved, the shard is read once and the patch sent again. Entries no longer there
+    /// count as removed. Returns the entries removed.
+    pub async fn remove(
+        &self,
+        group: CalicoApiGroup,
+        name: &str,
+        cidrs: &BTreeSet<String>,
+        fence: &Fence,
+    ) -> Result<BTreeSet<String>, CalicoError> {
+        let Some(mut view) = self.index.get(group, name).map(|v| (*v).clone()) else {
+            return Ok(BTreeSet::new());
+        };
+        let api = self.api(group);
+        for attempt in 0..ATTEMPTS {
+            fence.check()?;
+            let epoch = fence.epoch();
+            if view.epoch != Some(epoch) {
+                if attempt > 0 {
+                    tokio::time::sleep(Duration::from_millis(20 * (1 << attempt.min(6)))).await;
+                }
+                self.stamp_view(group, &view, fence).await?;
+                view = match self.read_owned(group, name, None).await {
+                    Ok(v) => v,
+                    Err(CalicoError::Api(e)) if matches!(&*e, KubeError::Api(s) if s.code == 404) => {
+                        return Ok(BTreeSet::new());
+                    }
+                    Err(e) => return Err(e),
+                };
+                continue;
+            }
+            let mut ops = ownership(None);
+            ops.push(json!({ "op": "test", "path": epoch_path(), "value": epoch.to_string() }));
+            let mut removed = BTreeSet::new();
+            for (i, entry) in view.entries.iter().enumerate().rev() {
+                if cidrs.contains(entry) {
+                    let path = format!("/spec/{RESERVED_CIDRS}/{i}");
+                    ops.push(json!({ "op": "test", "path": path, "value": entry }));
+                    ops.push(json!({ "op": "remove", "path": path }));
+                    removed.insert(entry.clone());
+                }
+            }
+            if removed.is_empty() {
+                return Ok(removed);
+            }
+            match api.patch(name, &PatchParams::default(), &json_patch(ops)).await {
+                Ok(_) => return Ok(removed),
+                Err(KubeError::Api(s)) if s.code == 404 && !is_type_not_served(&s) => return Ok(BTreeSet::new()),
+                Err(KubeError::Api(s)) if matches!(s.code, 409 | 422 | 429 | 500 | 503 | 504) => {
+                    debug!(reservation = name, attempt, code = s.code, "reservation changed meanwhile; reading again");
+                    if s.code != 422 {
+                        tokio::time::sleep(Duration::from_millis(20 * (1 << attempt.min(6)))).await;
+                    }
+                    view = match self.read_owned(group, name, None).await {
+                        Ok(v) => v,
+                        Err(CalicoError::Api(e)) if matches!(&*e, KubeError::Api(s) if s.code == 404) => {
+                            return Ok(BTreeSet::new());
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    if let Some(seen) = view.epoch.filter(|s| *s > epoch) {
+                        fence.revoke();
+                        return Err(CalicoError::Fenced { name: name.to_string(), epoch, seen });
+                    }
+                }
+                Err(e) => return Err(self.classify(group, e)),
+            }
+        }
+        Err(CalicoError::Contention)
+    }
+
+    /// The leader puts a record's missing entry back into its shard.
+    pub async fn write_back(
+        &self,
+        group: CalicoApiGroup,
+        name: &str,
+        policy: &str,
+        cidr: &str,
+        fence: &Fence,
+    ) -> Result<(), CalicoError> {
+        self.append(group, name, policy, Some(fence), BTreeSet::from([cidr.to_string()])).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+
+    /// Makes the next writer task panic before it writes.
+    pub(super) static PANIC_NEXT_WRITER: AtomicBool = AtomicBool::new(false);
+
+    /// A writer that dies fails its waiters at once, and the next entry gets a new writer
+    /// instead of queueing behind the dead one until its deadline.
+    #[tokio::test]
+    async fn a_dead_writer_does_not_block_later_holds() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        config.connect_timeout = Some(Duration::from_millis(200));
+        let index = Arc::new(ReservationIndex::default());
+        let reservations = Reservations::new(Client::try_from(config).unwrap(), CalicoApiGroup::CrdV1, index);
+        PANIC_NEXT_WRITER.store(true, std::sync::atomic::Ordering::SeqCst);
+        let started = Instant::now();
+        let first = reservations.add("capo-p", "p", "10.0.0.1/32").await;
+        assert!(matches!(first, Err(CalicoError::WriterGone)), "{first:?}");
+        let second = tokio::time::timeout(Duration::from_secs(5), reservations.add("capo-p", "p", "10.0.0.2/32")).await;
+        assert!(matches!(second, Ok(Err(CalicoError::Api(_)))), "{second:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A shard that is full by the watched copy, or another policy's, is skipped.
+    #[test]
+    fn full_and_foreign_shards_are_skipped() {
+        let index = ReservationIndex::default();
+        let full = ShardView {
+            name: shard_name("p", 0),
+            policy: Some("p".into()),
+            entries: (0..SHARD_SIZE).map(|i| format!("10.1.{}.{}/32", i / 256, i % 256)).collect(),
+            ..Default::default()
+        };
+        index.put_for_test(CalicoApiGroup::CrdV1, full);
+        index.put_for_test(
+            CalicoApiGroup::CrdV1,
+            ShardView { name: shard_name("p", 1), policy: Some("p-other".into()), ..Default::default() },
+        );
+        let skip = |name: &str| {
+            index
+                .get(CalicoApiGroup::CrdV1, name)
+                .is_some_and(|v| v.policy.as_deref() != Some("p") || v.entries.len() >= SHARD_SIZE)
+        };
+        assert!(skip("capo-p") && skip("capo-p.1") && !skip("capo-p.2"));
+    }
+}

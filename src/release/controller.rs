@@ -1,0 +1,865 @@
+//! The leader's controller: watches → indexes → a keyed work queue → per-key reconciles →
+//! the reservation owner ([`crate::calico`]) and the record writes.
+//!
+//! Keys: a record (its countdown, release, missing entry), a policy (its cap and gauges),
+//! a policy's release slot (pacing), a reservation shard (repair), a Pod (the safety
+//! net). An event touches only the keys it concerns — a Pod's event its own records and
+//! itself, a policy's edit that policy's records, a shard's change the records of the
+//! entries it gained or lost. A reconcile says when to look again; a failed one comes back
+//! with backoff (`capo_release_retries_total`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use capo_api::CalicoApiGroup;
+use capo_api::keys::RELEASED_ANNOTATION;
+use capo_api::reserved_ip::record_name;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, ResourceExt};
+use tokio::sync::broadcast;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::decide::{self, Action, Facts, PlanSettings, PodState, ReleaseReason};
+use super::pacer::{Leaving, Pacer, Taken};
+use super::queue::WorkQueue;
+use super::writes::{RecordFate, RecordWrites, ReleaseError};
+use super::{cap, repair};
+use crate::calico::{IndexEvent, ReservationIndex, Reservations, entry};
+use crate::hold::safety_net::SafetyNet;
+use crate::hold::{HoldWriter, marks};
+use crate::leader::Fence;
+use crate::metrics::Metrics;
+use crate::policy::{CompiledPolicy, SharedMatcher};
+use crate::store::pods::PodEvent;
+use crate::store::records::RecordEvent;
+use crate::store::workloads::Owner;
+use crate::store::{NamespaceStore, PodStore, RecordIndex, WorkloadStore};
+
+#[derive(Clone, Debug)]
+pub struct EngineSettings {
+    pub plan: PlanSettings,
+    /// Only act on policies whose name starts with this (tests share one API server).
+    pub policy_prefix: Option<String>,
+    /// Namespaces the safety net never holds in (kube-system, capo's own).
+    pub excluded_namespaces: Vec<String>,
+    /// How many keys are worked on at once (status writes, releases, holds).
+    pub workers: usize,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self { plan: PlanSettings::default(), policy_prefix: None, excluded_namespaces: vec![], workers: 8 }
+    }
+}
+
+/// What the engine needs from the rest of capo.
+pub struct ReleaseEngine {
+    pub client: Client,
+    pub reservations: Reservations,
+    pub served: Vec<CalicoApiGroup>,
+    pub pods: Arc<PodStore>,
+    pub namespaces: Arc<NamespaceStore>,
+    pub matcher: SharedMatcher,
+    pub policy_changes: broadcast::Sender<()>,
+    pub settings: EngineSettings,
+    pub metrics: Arc<Metrics>,
+    pub identity: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Key {
+    Record(String),
+    Policy(String),
+    Release(String),
+    Shard(CalicoApiGroup, String),
+    Pod(String, String),
+}
+
+impl Key {
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Record(_) => "record",
+            Self::Policy(_) => "policy",
+            Self::Release(_) => "release",
+            Self::Shard(..) => "shard",
+            Self::Pod(..) => "pod",
+        }
+    }
+}
+
+/// The leader's memory between reconciles.
+#[derive(Default)]
+struct Memory {
+    /// Record → since when its entry has been missing.
+    missing: HashMap<String, Timestamp>,
+    /// Shard → its mismatched entries, with when first seen.
+    first_seen: HashMap<(CalicoApiGroup, String), HashMap<String, Timestamp>>,
+    /// Records announced with an `IPHeld` Event (by uid).
+    announced: HashSet<String>,
+    /// Policies past their cap (a `CapReached` Event when one gets there).
+    over_cap: HashSet<String>,
+    /// Foreign entries per shard, as last reported.
+    foreign: HashMap<(CalicoApiGroup, String), (String, Vec<String>)>,
+    /// Holds that arrived, per policy (to size cap release slots).
+    arrivals: HashMap<String, VecDeque<Instant>>,
+    /// The compiled policies as last seen (to tell which ones an update changed).
+    policies: BTreeMap<String, Arc<CompiledPolicy>>,
+}
+
+struct Ctx {
+    client: Client,
+    fence: Fence,
+    reservations: Reservations,
+    index: Arc<ReservationIndex>,
+    pods: Arc<PodStore>,
+    namespaces: Arc<NamespaceStore>,
+    workloads: Arc<WorkloadStore>,
+    records: Arc<RecordIndex>,
+    matcher: SharedMatcher,
+    metrics: Arc<Metrics>,
+    recorder: Recorder,
+    writes: RecordWrites,
+    net: SafetyNet,
+    settings: EngineSettings,
+    queue: WorkQueue<Key>,
+    pacer: Mutex<Pacer>,
+    memory: Mutex<Memory>,
+    started: Timestamp,
+}
+
+/// `at` on the monotonic clock.
+fn instant(at: Timestamp) -> Instant {
+    let d = at.duration_since(Timestamp::now());
+    Instant::now() + Duration::try_from(d).unwrap_or_default()
+}
+
+fn policy_ref(name: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("capo.io/v1alpha1".into()),
+        kind: Some("CapoPolicy".into()),
+        name: Some(name.into()),
+        ..Default::default()
+    }
+}
+
+fn pod_ref(namespace: &str, name: &str, uid: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        uid: (!uid.is_empty()).then(|| uid.into()),
+        ..Default::default()
+    }
+}
+
+impl ReleaseEngine {
+    /// Runs until this replica stops leading.
+    pub async fn run(&self, fence: Fence) {
+        let records = Arc::new(RecordIndex::default());
+        let workloads = Arc::new(WorkloadStore::default());
+        let mut tasks = vec![tokio::spawn(records.clone().watch(self.client.clone()))];
+        tasks.extend(workloads.watch(&self.client));
+        let _abort = AbortOnDrop(tasks);
+        // Subscribed before anything is listed, so no change is missed.
+        let rx = Receivers {
+            pods: self.pods.subscribe(),
+            namespaces: self.namespaces.subscribe(),
+            workloads: workloads.subscribe(),
+            records: records.subscribe(),
+            index: self.reservations.index().subscribe(),
+            policies: self.policy_changes.subscribe(),
+        };
+        let index = self.reservations.index().clone();
+        let synced = async {
+            records.synced().await;
+            workloads.synced().await;
+            for g in &self.served {
+                index.synced(*g).await;
+            }
+        };
+        tokio::select! {
+            _ = synced => {}
+            _ = fence.lost() => return,
+        }
+        let prefix = self.settings.policy_prefix.clone();
+        let in_scope = move |p: &str| prefix.as_deref().is_none_or(|x| p.starts_with(x));
+        match self.reservations.stamp_all(&fence, in_scope).await {
+            Ok(n) => info!(epoch = fence.epoch(), stamped = n, "leader: raised the epoch on capo's reservations"),
+            Err(e)
+                if matches!(
+                    e,
+                    crate::calico::CalicoError::Fenced { .. } | crate::calico::CalicoError::NotLeader(_)
+                ) =>
+            {
+                warn!(error = %e, "leader: another replica leads");
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, "leader: could not raise the epoch everywhere yet; it is raised before each write")
+            }
+        }
+        let reporter = Reporter { controller: "capo".into(), instance: Some(self.identity.clone()) };
+        let recorder = Recorder::new(self.client.clone(), reporter);
+        let writer = HoldWriter::new(self.client.clone(), self.reservations.clone());
+        let ctx = Arc::new(Ctx {
+            client: self.client.clone(),
+            fence: fence.clone(),
+            reservations: self.reservations.clone(),
+            index: index.clone(),
+            pods: self.pods.clone(),
+            namespaces: self.namespaces.clone(),
+            workloads: workloads.clone(),
+            records: records.clone(),
+            matcher: self.matcher.clone(),
+            metrics: self.metrics.clone(),
+            recorder: recorder.clone(),
+            writes: RecordWrites::new(self.client.clone(), fence.clone()),
+            net: SafetyNet::new(
+                self.client.clone(),
+                writer,
+                self.pods.clone(),
+                self.namespaces.clone(),
+                workloads.clone(),
+                records.clone(),
+                self.matcher.clone(),
+                self.metrics.clone(),
+                recorder,
+                self.settings.excluded_namespaces.clone(),
+                self.settings.policy_prefix.clone(),
+            ),
+            settings: self.settings.clone(),
+            queue: WorkQueue::new(Duration::from_millis(250), Duration::from_secs(30)),
+            pacer: Mutex::new(Pacer::default()),
+            memory: Mutex::new(Memory::default()),
+            started: Timestamp::now(),
+        });
+        ctx.enqueue_everything();
+        info!(records = records.all_names().len(), "leader: release controller running");
+        let pump = tokio::spawn(ctx.clone().pump(rx));
+        let workers: Vec<_> = (0..self.settings.workers.max(1)).map(|_| tokio::spawn(ctx.clone().work())).collect();
+        let _stop = AbortOnDrop(workers.into_iter().chain([pump]).collect());
+        fence.lost().await;
+        ctx.queue.close();
+        info!("leader: lost the Lease; the release controller stops");
+    }
+}
+
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+struct Receivers {
+    pods: broadcast::Receiver<PodEvent>,
+    namespaces: broadcast::Receiver<String>,
+    workloads: broadcast::Receiver<(String, String, String)>,
+    records: broadcast::Receiver<RecordEvent>,
+    index: broadcast::Receiver<IndexEvent>,
+    policies: broadcast::Receiver<()>,
+}
+
+/// A received event, or a sign that some were lost (look at everything again).
+fn got<T: Clone>(r: Result<T, RecvError>) -> Option<Option<T>> {
+    match r {
+        Ok(v) => Some(Some(v)),
+        Err(RecvError::Lagged(_)) => Some(None),
+        Err(RecvError::Closed) => None,
+    }
+}
+
+impl Ctx {
+    fn in_scope(&self, policy: &str) -> bool {
+        self.settings.policy_prefix.as_deref().is_none_or(|p| policy.starts_with(p))
+    }
+
+    fn enqueue_everything(&self) {
+        for name in self.records.all_names() {
+            self.queue.add(Key::Record(name));
+        }
+        let mut policies: BTreeSet<String> = self.records.policies().into_iter().collect();
+        policies.extend(self.matcher.load().policies().iter().map(|p| p.name.clone()));
+        for p in policies {
+            self.queue.add(Key::Policy(p));
+        }
+        for (group, view) in self.index.all().into_values() {
+            self.queue.add(Key::Shard(group, view.name.clone()));
+        }
+        for (ns, name) in self.pods.keys() {
+            self.pod_changed(&ns, &name);
+        }
+        self.policies_changed();
+    }
+
+    /// A Pod changed: its records, and the safety net (a Pod being deleted after a moment,
+    /// so its owner's deletion — a cascade — is known by then).
+    fn pod_changed(&self, namespace: &str, name: &str) {
+        for r in self.records.for_pod(namespace, name) {
+            self.queue.add(Key::Record(r));
+        }
+        let key = Key::Pod(namespace.to_string(), name.to_string());
+        match self.pods.get(namespace, name) {
+            Some(p) if p.terminal() => self.queue.add(key),
+            Some(p) if p.deleting => self.queue.add_after(key, self.settings.plan.settle.min(Duration::from_secs(2))),
+            _ => {}
+        }
+    }
+
+    /// The policies changed: the ones whose compiled form differs, and their records.
+    fn policies_changed(&self) {
+        let now: BTreeMap<String, Arc<CompiledPolicy>> =
+            self.matcher.load().policies().iter().map(|p| (p.name.clone(), p.clone())).collect();
+        let mut memory = self.memory.lock().expect("memory lock");
+        let names: BTreeSet<&String> = now.keys().chain(memory.policies.keys()).collect();
+        let changed: Vec<String> =
+            names.into_iter().filter(|n| now.get(*n) != memory.policies.get(*n)).cloned().collect();
+        // A lowered cap (or share) is worked off at the policy's pace: the holds that came
+        // before the change do not make a slot larger.
+        for name in &changed {
+            let lowered = match (memory.policies.get(name), now.get(name)) {
+                (Some(old), Some(new)) => {
+                    new.max_reserved < old.max_reserved
+                        || new.max_reserved_per_namespace.unwrap_or(u32::MAX)
+                            < old.max_reserved_per_namespace.unwrap_or(u32::MAX)
+                }
+                _ => false,
+            };
+            if lowered {
+                memory.arrivals.remove(name);
+            }
+        }
+        memory.policies = now;
+        drop(memory);
+        for p in changed {
+            for r in self.records.for_policy(&p) {
+                self.queue.add(Key::Record(r));
+            }
+            self.queue.add(Key::Policy(p));
+        }
+    }
+
+    /// Turns events into keys until the engine stops.
+    async fn pump(self: Arc<Self>, mut rx: Receivers) {
+        loop {
+            tokio::select! {
+                e = rx.pods.recv() => match got(e) {
+                    Some(Some(PodEvent::Changed { namespace, name })) => self.pod_changed(&namespace, &name),
+                    Some(_) => self.enqueue_everything(),
+                    None => return,
+                },
+                e = rx.namespaces.recv() => match got(e) {
+                    Some(Some(ns)) if !ns.is_empty() => {
+                        for r in self.records.for_namespace(&ns) {
+                            self.queue.add(Key::Record(r));
+                        }
+                    }
+                    Some(_) => self.enqueue_everything(),
+                    None => return,
+                },
+                e = rx.workloads.recv() => match got(e) {
+                    Some(Some((ns, kind, name))) => {
+                        for r in self.records.for_controller(&ns, &kind, &name) {
+                            self.queue.add(Key::Record(r));
+                        }
+                    }
+                    Some(None) => self.enqueue_everything(),
+                    None => return,
+                },
+                e = rx.records.recv() => match got(e) {
+                    Some(Some(RecordEvent::Changed { name, before, after })) => self.record_changed(name, before, after),
+                    Some(_) => self.enqueue_everything(),
+                    None => return,
+                },
+                e = rx.index.recv() => match got(e) {
+                    Some(Some(IndexEvent::Shard { key, added, removed })) => {
+                        for e in added.iter().chain(&removed) {
+                            if let Some(ip) = entry::single_ip(e) {
+                                self.queue.add(Key::Record(record_name(ip)));
+                            }
+                        }
+                        self.queue.add(Key::Shard(key.0, key.1));
+                    }
+                    Some(_) => self.enqueue_everything(),
+                    None => return,
+                },
+                e = rx.policies.recv() => match got(e) {
+                    Some(_) => self.policies_changed(),
+                    None => return,
+                },
+            }
+            self.metrics.release.queue_depth.set(self.queue.len() as i64);
+        }
+    }
+
+    fn record_changed(
+        &self,
+        name: String,
+        before: Option<Arc<capo_api::ReservedIP>>,
+        after: Option<Arc<capo_api::ReservedIP>>,
+    ) {
+        for r in before.iter().chain(&after) {
+            self.queue.add(Key::Policy(r.spec.policy.clone()));
+            if let Ok(group) = r.spec.calico_api_group.parse::<CalicoApiGroup>() {
+                self.queue.add(Key::Shard(group, r.spec.reservation.clone()));
+            }
+        }
+        if let (None, Some(new)) = (&before, &after) {
+            let mut memory = self.memory.lock().expect("memory lock");
+            memory.arrivals.entry(new.spec.policy.clone()).or_default().push_back(Instant::now());
+        }
+        self.queue.add(Key::Record(name));
+    }
+
+    /// A worker: takes keys until the queue closes.
+    async fn work(self: Arc<Self>) {
+        while let Some(key) = self.queue.next().await {
+            self.metrics.release.reconciles.with_label_values(&[key.kind()]).inc();
+            match self.reconcile(&key).await {
+                Ok(again) => {
+                    self.queue.forget(&key);
+                    if let Some(at) = again {
+                        self.queue.add_at(key.clone(), at);
+                    }
+                }
+                Err(e) if e.lost_lead() => {
+                    debug!(error = %e, "leader: not leading any more");
+                    self.queue.done(&key);
+                    return;
+                }
+                Err(e) => {
+                    let policy = self.policy_of(&key);
+                    self.metrics.release.failures.with_label_values(&[&policy, e.kind()]).inc();
+                    self.metrics.release.retries.with_label_values(&[&policy]).inc();
+                    let after = self.queue.retry(key.clone());
+                    warn!(key = ?key, error = %e, retry_in = ?after, "leader: write failed; retrying");
+                    self.event(&policy_ref(&policy), EventType::Warning, "ReleaseFailed", "Release", e.to_string())
+                        .await;
+                }
+            }
+            self.queue.done(&key);
+        }
+    }
+
+    fn policy_of(&self, key: &Key) -> String {
+        match key {
+            Key::Record(r) => self.records.get(r).map(|r| r.spec.policy.clone()).unwrap_or_default(),
+            Key::Policy(p) | Key::Release(p) => p.clone(),
+            Key::Shard(g, n) => self.index.get(*g, n).and_then(|v| v.policy.clone()).unwrap_or_default(),
+            Key::Pod(..) => String::new(),
+        }
+    }
+
+    async fn reconcile(&self, key: &Key) -> Result<Option<Instant>, ReleaseError> {
+        match key {
+            Key::Record(name) => self.record(name).await,
+            Key::Policy(name) => self.policy(name).await,
+            Key::Release(policy) => self.release(policy).await,
+            Key::Shard(group, name) => self.shard(*group, name).await,
+            Key::Pod(ns, name) => {
+                self.net.check(ns, name, &self.fence).await?;
+                Ok(None)
+            }
+        }
+    }
+
+    async fn event(&self, reference: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
+        let ev = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+        if let Err(e) = self.recorder.publish(&ev, reference).await {
+            debug!(error = %e, reason, "could not publish an Event");
+        }
+    }
+
+    fn owner_of(&self, rec: &capo_api::ReservedIP) -> Owner {
+        rec.spec
+            .pod
+            .controller
+            .as_ref()
+            .map_or(Owner::Unknown, |c| self.workloads.owner(&rec.spec.pod.namespace, &c.kind, &c.name))
+    }
+
+    /// One hold: its countdown, and its release, write-back or drop when due.
+    async fn record(&self, name: &str) -> Result<Option<Instant>, ReleaseError> {
+        let Some(rec) = self.records.get(name) else {
+            self.memory.lock().expect("memory lock").missing.remove(name);
+            return Ok(None);
+        };
+        let spec = &rec.spec;
+        if !self.in_scope(&spec.policy) || self.pacer.lock().expect("pacer lock").contains(name) {
+            return Ok(None);
+        }
+        let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
+        let now = Timestamp::now();
+        let entry_present = self.index.get(group, &spec.reservation).is_some_and(|v| v.position(&spec.cidr).is_some());
+        let missing_since = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            if entry_present {
+                memory.missing.remove(name);
+                None
+            } else {
+                Some(*memory.missing.entry(name.to_string()).or_insert(now))
+            }
+        };
+        let pod = self.pods.get(&spec.pod.namespace, &spec.pod.name);
+        let matcher = self.matcher.load();
+        let policy = matcher.get(&spec.policy).cloned();
+        let decision = decide::decide(
+            &Facts {
+                now,
+                record: &rec,
+                pod: pod.as_deref(),
+                policy: policy.as_deref(),
+                entry_present,
+                namespace_exists: self.namespaces.get(&spec.pod.namespace).is_some(),
+                owner: self.owner_of(&rec),
+                missing_since,
+            },
+            &self.settings.plan,
+        );
+        self.announce(&rec).await;
+        if Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
+            self.writes.status(&rec, &decision.status).await?;
+        }
+        match decision.action {
+            Action::Wait(at) => Ok(at.map(instant)),
+            Action::Release { reason, due } => {
+                self.pacer
+                    .lock()
+                    .expect("pacer lock")
+                    .submit(&spec.policy, Leaving { record: rec.clone(), reason, due });
+                self.queue.add(Key::Release(spec.policy.clone()));
+                Ok(None)
+            }
+            Action::WriteBack => {
+                self.reservations
+                    .write_back(group, &spec.reservation, &spec.policy, &spec.cidr, &self.fence)
+                    .await
+                    .map_err(|source| ReleaseError::Reservation { reservation: spec.reservation.clone(), source })?;
+                self.metrics.release.repairs.with_label_values(&["written_back"]).inc();
+                info!(record = name, reservation = %spec.reservation, "wrote a missing entry back");
+                Ok(None)
+            }
+            Action::Drop { reason, due } => {
+                if self.writes.delete(&rec).await? == RecordFate::Deleted {
+                    self.released(&spec.policy, reason, due);
+                    info!(record = name, reason = reason.as_str(), "dropped a record whose entry was missing");
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// An `IPHeld` Event on the Pod of a record that appeared while this replica leads.
+    async fn announce(&self, rec: &capo_api::ReservedIP) {
+        let s = &rec.spec;
+        let since = self.started.checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(10)).unwrap_or(self.started);
+        let uid = rec.uid().unwrap_or_default();
+        if s.reserved_at.0 < since || s.pod.name.is_empty() {
+            return;
+        }
+        if !self.memory.lock().expect("memory lock").announced.insert(uid) {
+            return;
+        }
+        let note = format!(
+            "capo holds {} in IPReservation {} (policy {}, trigger {:?}) for {} after the Pod is gone",
+            s.ip, s.reservation, s.policy, s.trigger, s.reserve_for
+        );
+        self.event(&pod_ref(&s.pod.namespace, &s.pod.name, &s.pod.uid), EventType::Normal, "IPHeld", "Hold", note)
+            .await;
+    }
+
+    fn released(&self, policy: &str, reason: ReleaseReason, due: Option<Timestamp>) {
+        let m = &self.metrics.release;
+        m.releases.with_label_values(&[policy, reason.as_str()]).inc();
+        if let Some(due) = due {
+            let late = Timestamp::now().duration_since(due).as_secs_f64().max(0.0);
+            m.lateness.with_label_values(&[policy]).observe(late);
+        }
+    }
+
+    fn interval_and_batch(&self, policy: &str) -> (Duration, usize) {
+        match self.matcher.load().get(policy) {
+            Some(p) => (p.release_interval, p.release_batch as usize),
+            None => (self.settings.plan.default_release_interval, self.settings.plan.default_release_batch),
+        }
+    }
+
+    /// A policy: its gauges, and its holds past the cap (or a namespace's share).
+    async fn policy(&self, name: &str) -> Result<Option<Instant>, ReleaseError> {
+        if !self.in_scope(name) {
+            return Ok(None);
+        }
+        let matcher = self.matcher.load();
+        let policy = matcher.get(name).cloned();
+        let holds = self.records.records_of(name);
+        let m = &self.metrics.release;
+        if holds.is_empty() && policy.is_none() {
+            m.forget_policy(name);
+            return Ok(None);
+        }
+        let oldest = holds.iter().map(|r| r.spec.reserved_at.0).min();
+        m.set_policy(name, holds.len(), policy.as_ref().map(|p| p.max_reserved), oldest);
+        let Some(policy) = policy else { return Ok(None) };
+        let victims = {
+            let pacer = self.pacer.lock().expect("pacer lock");
+            let counted: Vec<cap::Counted<'_>> = holds
+                .iter()
+                .filter(|r| !pacer.contains(&r.name_any()))
+                .map(|r| cap::Counted {
+                    name: r.metadata.name.as_deref().unwrap_or_default(),
+                    namespace: &r.spec.pod.namespace,
+                    created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
+                    reserved_at: r.spec.reserved_at.0,
+                })
+                .collect();
+            cap::over_cap(policy.max_reserved as usize, policy.max_reserved_per_namespace.map(|n| n as usize), counted)
+        };
+        let newly_over = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            if victims.is_empty() {
+                memory.over_cap.remove(name);
+                false
+            } else {
+                memory.over_cap.insert(name.to_string())
+            }
+        };
+        if victims.is_empty() {
+            return Ok(None);
+        }
+        if newly_over {
+            let share = policy
+                .max_reserved_per_namespace
+                .map(|n| format!(" or maxReservedPerNamespace={n}"))
+                .unwrap_or_default();
+            let note = format!("more than maxReserved={}{share} IPs held: releasing the oldest", policy.max_reserved);
+            self.event(&policy_ref(name), EventType::Warning, "CapReached", "Release", note).await;
+        }
+        let now = Timestamp::now();
+        let mut pacer = self.pacer.lock().expect("pacer lock");
+        for v in victims {
+            if let Some(record) = self.records.get(&v) {
+                pacer.submit(name, Leaving { record, reason: ReleaseReason::Cap, due: now });
+            }
+        }
+        drop(pacer);
+        self.queue.add(Key::Release(name.to_string()));
+        Ok(None)
+    }
+
+    /// How many holds of `policy` arrived within the last `interval`.
+    fn arrivals(&self, policy: &str, interval: Duration) -> usize {
+        let mut memory = self.memory.lock().expect("memory lock");
+        let Some(q) = memory.arrivals.get_mut(policy) else { return 0 };
+        while q.front().is_some_and(|t| t.elapsed() > interval) {
+            q.pop_front();
+        }
+        q.len()
+    }
+
+    /// A release slot of `policy`: marks the Pods that stay, removes the entries (one
+    /// fenced write per shard), then deletes the records.
+    async fn release(&self, policy: &str) -> Result<Option<Instant>, ReleaseError> {
+        let (interval, batch) = self.interval_and_batch(policy);
+        let cap_budget = self.arrivals(policy, interval);
+        let taken = self.pacer.lock().expect("pacer lock").take(policy, Instant::now(), interval, batch, cap_budget);
+        let leaving = match taken {
+            Taken::Empty => return Ok(None),
+            Taken::Wait(at) => return Ok(Some(at)),
+            Taken::Batch(b) => b,
+        };
+        if let Err(e) = self.mark_staying(&leaving).await {
+            self.pacer.lock().expect("pacer lock").put_back(policy, leaving);
+            return Err(e);
+        }
+        let shard_of = |l: &Leaving| {
+            let s = &l.record.spec;
+            (s.calico_api_group.parse::<CalicoApiGroup>().unwrap_or(self.reservations.group()), s.reservation.clone())
+        };
+        let mut by_shard: BTreeMap<(CalicoApiGroup, String), BTreeSet<String>> = BTreeMap::new();
+        for l in &leaving {
+            by_shard.entry(shard_of(l)).or_default().insert(l.record.spec.cidr.clone());
+        }
+        let mut out = HashSet::new();
+        let mut failed = None;
+        for ((group, shard), cidrs) in &by_shard {
+            match self.reservations.remove(*group, shard, cidrs, &self.fence).await {
+                Ok(_) => {
+                    out.insert((*group, shard.clone()));
+                }
+                Err(source) => {
+                    failed = Some(ReleaseError::Reservation { reservation: shard.clone(), source });
+                    break;
+                }
+            }
+        }
+        let (gone, back): (Vec<Leaving>, Vec<Leaving>) = leaving.into_iter().partition(|l| out.contains(&shard_of(l)));
+        if !back.is_empty() {
+            self.pacer.lock().expect("pacer lock").put_back(policy, back);
+        }
+        // The records go concurrently (a slot of a large policy releases hundreds).
+        let results: Vec<Result<(), ReleaseError>> = futures::stream::iter(gone.clone())
+            .map(|l| async move { self.finish_release(&l).await })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        let result = results.into_iter().find(Result::is_err).unwrap_or(Ok(()));
+        let more = {
+            let mut pacer = self.pacer.lock().expect("pacer lock");
+            pacer.finish(gone.iter().map(Leaving::name));
+            pacer.waiting(policy)
+        };
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        result?;
+        Ok(more.then(|| Instant::now() + interval))
+    }
+
+    /// Before their entries go: marks each Pod that is still there (deleted, terminal) as
+    /// released, so that nobody holds it again.
+    async fn mark_staying(&self, leaving: &[Leaving]) -> Result<(), ReleaseError> {
+        for l in leaving {
+            let p = &l.record.spec.pod;
+            let pod = self.pods.get(&p.namespace, &p.name);
+            if pod.is_none()
+                || decide::pod_state(&l.record, pod.as_deref()) == PodState::Kept
+                || l.reason == ReleaseReason::PodKept
+            {
+                continue;
+            }
+            if pod.is_some_and(|pod| pod.uid == p.uid) {
+                marks::mark(&self.client, &p.namespace, &p.name, &p.uid, RELEASED_ANNOTATION, l.reason.as_str())
+                    .await
+                    .map_err(|source| ReleaseError::Mark { pod: format!("{}/{}", p.namespace, p.name), source })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The entry is out: the record goes (if it still describes this hold).
+    async fn finish_release(&self, l: &Leaving) -> Result<(), ReleaseError> {
+        let s = &l.record.spec;
+        let mut current = (*l.record).clone();
+        for _ in 0..3 {
+            match self.writes.delete(&current).await? {
+                RecordFate::Deleted | RecordFate::AlreadyGone => {
+                    self.released(&s.policy, l.reason, Some(l.due));
+                    info!(ip = %s.cidr, reservation = %s.reservation, reason = l.reason.as_str(), "released");
+                    return Ok(());
+                }
+                RecordFate::Changed => {}
+            }
+            let Some(now) = self.writes.read(&l.name()).await? else { return Ok(()) };
+            if now.spec.pod.uid != s.pod.uid || now.spec.reservation != s.reservation {
+                // Held for another Pod meanwhile: its entry goes back.
+                let group = now.spec.calico_api_group.parse::<CalicoApiGroup>().unwrap_or(self.reservations.group());
+                self.reservations
+                    .write_back(group, &now.spec.reservation, &now.spec.policy, &now.spec.cidr, &self.fence)
+                    .await
+                    .map_err(|source| ReleaseError::Reservation {
+                        reservation: now.spec.reservation.clone(),
+                        source,
+                    })?;
+                info!(ip = %s.cidr, "re-held for another Pod meanwhile; entry written back");
+                return Ok(());
+            }
+            current = now;
+        }
+        Ok(())
+    }
+
+    /// One reservation: garbage out, foreign CIDRs reported, orphans adopted, redundant
+    /// entries out.
+    async fn shard(&self, group: CalicoApiGroup, name: &str) -> Result<Option<Instant>, ReleaseError> {
+        let key = (group, name.to_string());
+        let Some(view) = self.index.get(group, name) else {
+            let mut memory = self.memory.lock().expect("memory lock");
+            memory.first_seen.remove(&key);
+            if let Some((policy, _)) = memory.foreign.remove(&key) {
+                let total = Self::foreign_total(&memory, &policy);
+                self.metrics.release.foreign_entries.with_label_values(&[&policy]).set(total as i64);
+            }
+            return Ok(None);
+        };
+        let policy = view.policy.clone().unwrap_or_default();
+        if !self.in_scope(&policy) {
+            return Ok(None);
+        }
+        let recorded_at = |ip| {
+            self.records.get(&record_name(ip)).and_then(|r| {
+                Some((r.spec.calico_api_group.parse::<CalicoApiGroup>().ok()?, r.spec.reservation.clone()))
+            })
+        };
+        let plan = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            let seen = memory.first_seen.entry(key.clone()).or_default();
+            repair::plan(group, &view, &recorded_at, Timestamp::now(), self.settings.plan.settle, seen)
+        };
+        self.report_foreign(&key, &policy, &plan.foreign).await;
+        let remove: BTreeSet<String> = plan.garbage.iter().chain(&plan.redundant).cloned().collect();
+        if !remove.is_empty() {
+            let removed = self
+                .reservations
+                .remove(group, name, &remove, &self.fence)
+                .await
+                .map_err(|source| ReleaseError::Reservation { reservation: name.to_string(), source })?;
+            let garbage = plan.garbage.iter().filter(|g| removed.contains(*g)).count();
+            let repairs = &self.metrics.release.repairs;
+            repairs.with_label_values(&["garbage_removed"]).inc_by(garbage as u64);
+            repairs.with_label_values(&["redundant_removed"]).inc_by((removed.len() - garbage) as u64);
+            if removed.len() > garbage {
+                self.released(&policy, ReleaseReason::Repair, None);
+            }
+            warn!(reservation = name, garbage = ?plan.garbage, redundant = ?plan.redundant, "removed entries no hold needs");
+        }
+        for cidr in &plan.adopt {
+            let reserve_for =
+                self.matcher.load().get(&policy).map_or(self.settings.plan.default_reserve_for, |p| p.reserve_for);
+            if self.writes.adopt(group, name, &policy, cidr, reserve_for).await? {
+                self.metrics.release.repairs.with_label_values(&["adopted"]).inc();
+                info!(entry = %cidr, reservation = name, "adopted an entry without a record");
+            }
+        }
+        Ok(plan.wake.map(instant))
+    }
+
+    fn foreign_total(memory: &Memory, policy: &str) -> usize {
+        memory.foreign.values().filter(|(p, _)| p == policy).map(|(_, f)| f.len()).sum()
+    }
+
+    /// Valid CIDRs in a capo-owned reservation that capo did not write: left in place,
+    /// counted, and reported once per change.
+    async fn report_foreign(&self, key: &(CalicoApiGroup, String), policy: &str, foreign: &[String]) {
+        let changed = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            let before = memory.foreign.get(key).map(|(_, f)| f.clone()).unwrap_or_default();
+            if foreign.is_empty() {
+                memory.foreign.remove(key);
+            } else {
+                memory.foreign.insert(key.clone(), (policy.to_string(), foreign.to_vec()));
+            }
+            let total = Self::foreign_total(&memory, policy);
+            self.metrics.release.foreign_entries.with_label_values(&[policy]).set(total as i64);
+            before != foreign && !foreign.is_empty()
+        };
+        if changed {
+            let note = format!(
+                "IPReservation {} holds entries capo did not write: {}; capo leaves them (they are valid CIDRs) — remove them by hand if nobody needs them",
+                key.1,
+                foreign.join(", ")
+            );
+            warn!(reservation = %key.1, entries = ?foreign, "entries capo did not write");
+            self.event(&policy_ref(policy), EventType::Warning, "ForeignEntries", "Repair", note).await;
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! What one hold needs now, decided with no I/O from what the leader's stores say: its
+//! countdown (`status`), and whether it is due — by TTL, an operator's request, its Pod
+//! staying, or its workload going — or its entry is missing and must be written back or
+//! the record dropped.
+
+use std::time::Duration;
+
+use capo_api::{ManualAction, ReservedIP, ReservedIPStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::pod::PodFacts;
+use crate::policy::CompiledPolicy;
+use crate::store::workloads::Owner;
+
+/// Why an IP was released; the `reason` label of `capo_releases_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReleaseReason {
+    /// `reserveFor` has passed since the Pod was gone.
+    Ttl,
+    /// The policy (or the namespace's share of it) held more than its cap: the oldest went.
+    Cap,
+    /// An operator ran `capo release`.
+    Manual,
+    /// The Pod was never deleted (an eviction refused by a PodDisruptionBudget, a deletion
+    /// denied by another webhook) and stayed for the grace period.
+    PodKept,
+    /// The Pod's namespace or workload was deleted and the policy releases early then.
+    WorkloadGone,
+    /// Repair: a record whose entry was missing while its Pod still runs, or an entry that
+    /// another hold of the same IP makes redundant.
+    Repair,
+}
+
+impl ReleaseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ttl => "ttl",
+            Self::Cap => "cap",
+            Self::Manual => "manual",
+            Self::PodKept => "pod-kept",
+            Self::WorkloadGone => "workload-gone",
+            Self::Repair => "repair",
+        }
+    }
+}
+
+/// Where the Pod of a hold is, as far as the leader's store knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodState {
+    /// Running and not being deleted: the hold is not counted down.
+    Kept,
+    /// Has a deletionTimestamp: not counted down until it is gone.
+    Deleting,
+    /// In a terminal phase (its IPs are freed by the CNI), or no longer there.
+    Gone,
+}
+
+/// The state of the Pod a record holds for (the Pod of that name with the record's UID).
+pub fn pod_state(record: &ReservedIP, pod: Option<&PodFacts>) -> PodState {
+    match pod {
+        Some(p) if !record.spec.pod.uid.is_empty() && p.uid == record.spec.pod.uid => {
+            if p.terminal() {
+                PodState::Gone
+            } else if p.deleting {
+                PodState::Deleting
+            } else {
+                PodState::Kept
+            }
+        }
+        _ => PodState::Gone,
+    }
+}
+
+/// Knobs of the leader that are not in any policy.
+#[derive(Clone, Debug)]
+pub struct PlanSettings {
+    /// How long a hold whose Pod stays (not deleted) is kept before it is dropped.
+    pub kept_pod_grace: Duration,
+    /// How long a mismatch between a record and its reservation must last before repair
+    /// acts on it: the webhook writes entry and record concurrently, and watches lag.
+    pub settle: Duration,
+    /// Pacing and TTL of holds whose policy is gone or invalid.
+    pub default_release_interval: Duration,
+    pub default_release_batch: usize,
+    pub default_reserve_for: Duration,
+}
+
+impl Default for PlanSettings {
+    fn default() -> Self {
+        Self {
+            kept_pod_grace: Duration::from_secs(600),
+            settle: Duration::from_secs(5),
+            default_release_interval: Duration::from_secs(5),
+            default_release_batch: 10,
+            default_reserve_for: Duration::from_secs(40 * 60),
+        }
+    }
+}
+
+/// What the leader knows about one hold.
+pub struct Facts<'a> {
+    pub now: Timestamp,
+    pub record: &'a ReservedIP,
+    /// The Pod of the record's namespace/name now, if any.
+    pub pod: Option<&'a PodFacts>,
+    /// The record's policy, if it exists and is valid.
+    pub policy: Option<&'a CompiledPolicy>,
+    /// Whether the entry is in the record's reservation.
+    pub entry_present: bool,
+    pub namespace_exists: bool,
+    /// The Pod's controller, as the leader's store sees it.
+    pub owner: Owner,
+    /// Since when this leader has seen the entry missing.
+    pub missing_since: Option<Timestamp>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Nothing to do now; look again at this time (if any).
+    Wait(Option<Timestamp>),
+    /// Due: release it (paced with the policy's other releases).
+    Release { reason: ReleaseReason, due: Timestamp },
+    /// The entry is missing and the hold not over: put it back.
+    WriteBack,
+    /// The entry is missing and the hold is over (or its Pod stays): drop the record.
+    Drop { reason: ReleaseReason, due: Option<Timestamp> },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The status the record should have (written if it differs).
+    pub status: ReservedIPStatus,
+    pub action: Action,
+}
+
+fn plus(t: Timestamp, d: Duration) -> Timestamp {
+    t.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX)).unwrap_or(Timestamp::MAX)
+}
+
+pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
+    let (now, rec) = (f.now, f.record);
+    let spec = &rec.spec;
+    let state = pod_state(rec, f.pod);
+    let current = rec.status.clone().unwrap_or_default();
+    let mut desired = current.clone();
+    let reserve_for =
+        spec.reserve_for.parse::<capo_api::Duration>().map(|d| d.as_std()).unwrap_or(settings.default_reserve_for);
+    let extend_until =
+        spec.manual.as_ref().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0);
+
+    // When it is due, and why; None: not counting down.
+    let mut due: Option<(Timestamp, ReleaseReason)> = match state {
+        PodState::Kept => {
+            let since = current.pod_kept_since.as_ref().map_or(now, |t| t.0);
+            desired.pod_kept_since = Some(MicroTime(since));
+            desired.pod_gone_at = None;
+            desired.release_at = None;
+            Some((plus(since, settings.kept_pod_grace), ReleaseReason::PodKept))
+        }
+        PodState::Deleting => {
+            desired.pod_kept_since = None;
+            None
+        }
+        PodState::Gone => {
+            let gone = current.pod_gone_at.as_ref().map_or(now, |t| t.0);
+            desired.pod_gone_at = Some(MicroTime(gone));
+            desired.pod_kept_since = None;
+            let release_at = extend_until.unwrap_or_else(|| plus(gone, reserve_for));
+            desired.release_at = Some(MicroTime(release_at));
+            Some((release_at, ReleaseReason::Ttl))
+        }
+    };
+    if state == PodState::Gone
+        && let Some(p) = f.policy
+    {
+        let ns_gone = p.release_early.namespace_deleted && !f.namespace_exists;
+        let workload_gone = p.release_early.workload_deleted && spec.pod.controller.is_some() && f.owner == Owner::Gone;
+        if ns_gone || workload_gone {
+            due = Some((now, ReleaseReason::WorkloadGone));
+        }
+    }
+    if let Some(m) = spec.manual.as_ref().filter(|m| m.action == ManualAction::Release) {
+        due = Some((m.at.0.min(now), ReleaseReason::Manual));
+    }
+
+    let action = if !f.entry_present {
+        match f.missing_since.map(|s| plus(s, settings.settle)) {
+            Some(settled) if settled <= now => match (state, due) {
+                (PodState::Kept, _) => Action::Drop { reason: ReleaseReason::Repair, due: None },
+                (_, Some((at, reason))) if at <= now => Action::Drop { reason, due: Some(at) },
+                _ => Action::WriteBack,
+            },
+            Some(settled) => Action::Wait(Some(settled)),
+            None => Action::Wait(Some(plus(now, settings.settle))),
+        }
+    } else {
+        match due {
+            Some((at, reason)) if at <= now => Action::Release { reason, due: at },
+            Some((at, _)) => Action::Wait(Some(at)),
+            None => Action::Wait(None),
+        }
+    };
+    Decision { status: desired, action }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use capo_api::reserved_ip::single_ip_cidr;
+    use capo_api::{HoldTrigger, ManualChange, PodRef, ReservedIPSpec};
+    use kube::api::ObjectMeta;
+    use serde_json::json;
+
+    const T0: i64 = 1_800_000_000;
+
+    pub fn at(secs: f64) -> Timestamp {
+        Timestamp::from_microsecond(((T0 as f64 + secs) * 1e6) as i64).unwrap()
+    }
+
+    pub fn policy(name: &str, extra: serde_json::Value) -> CompiledPolicy {
+        let mut spec = json!({ "podSelector": {}, "reserveFor": "60s", "maxReserved": 100, "releaseInterval": "5s" });
+        spec.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let p: capo_api::CapoPolicy = serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+            "metadata": { "name": name }, "spec": spec,
+        }))
+        .unwrap();
+        CompiledPolicy::compile(&p).unwrap()
+    }
+
+    pub fn record(ip: &str, policy: &str, reserved: f64, status: Option<ReservedIPStatus>) -> ReservedIP {
+        let ipaddr: std::net::IpAddr = ip.parse().unwrap();
+        ReservedIP {
+            metadata: ObjectMeta {
+                name: Some(capo_api::reserved_ip::record_name(ipaddr)),
+                uid: Some(format!("uid-{ip}")),
+                ..Default::default()
+            },
+            spec: ReservedIPSpec {
+                ip: ip.into(),
+                cidr: single_ip_cidr(ipaddr),
+                reservation: format!("capo-{policy}"),
+                calico_api_group: "crd.projectcalico.org/v1".into(),
+                policy: policy.into(),
+                pod: PodRef {
+                    namespace: "ns".into(),
+                    name: format!("pod-{ip}"),
+                    uid: format!("pod-uid-{ip}"),
+                    node: None,
+                    controller: Some(capo_api::ControllerRef { kind: "StatefulSet".into(), name: "redis".into() }),
+                },
+                trigger: HoldTrigger::Delete,
+                reserved_at: MicroTime(at(reserved)),
+                reserve_for: "60s".into(),
+                manual: None,
+            },
+            status,
+        }
+    }
+
+    pub fn gone_at(secs: f64) -> Option<ReservedIPStatus> {
+        Some(ReservedIPStatus {
+            pod_gone_at: Some(MicroTime(at(secs))),
+            release_at: Some(MicroTime(at(secs + 60.0))),
+            pod_kept_since: None,
+        })
+    }
+
+    fn pod_of(rec: &ReservedIP, deleting: bool, phase: &str) -> PodFacts {
+        PodFacts {
+            namespace: rec.spec.pod.namespace.clone(),
+            name: rec.spec.pod.name.clone(),
+            uid: rec.spec.pod.uid.clone(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            controller: None,
+            node: None,
+            host_network: false,
+            ips: vec![rec.spec.ip.parse().unwrap()],
+            phase: Some(phase.into()),
+            deleting,
+        }
+    }
+
+    fn facts<'a>(
+        rec: &'a ReservedIP,
+        pod: Option<&'a PodFacts>,
+        policy: Option<&'a CompiledPolicy>,
+        now: f64,
+    ) -> Facts<'a> {
+        Facts {
+            now: at(now),
+            record: rec,
+            pod,
+            policy,
+            entry_present: true,
+            namespace_exists: true,
+            owner: Owner::Present,
+            missing_since: None,
+        }
+    }
+
+    #[test]
+    fn the_clock_starts_when_the_pod_is_gone_and_the_ttl_releases_on_time() {
+        let p = policy("p", json!({}));
+        let r = record("10.0.0.1", "p", 0.0, None);
+        let deleting = pod_of(&r, true, "Running");
+        let s = PlanSettings::default();
+        let d = decide(&facts(&r, Some(&deleting), Some(&p), 100.0), &s);
+        assert_eq!(d.action, Action::Wait(None), "being deleted: not counted down");
+        assert!(d.status.pod_gone_at.is_none());
+        let d = decide(&facts(&r, None, Some(&p), 200.0), &s);
+        assert_eq!(d.status.pod_gone_at.as_ref().unwrap().0, at(200.0));
+        assert_eq!(d.status.release_at.as_ref().unwrap().0, at(260.0));
+        assert_eq!(d.action, Action::Wait(Some(at(260.0))));
+        let written = record("10.0.0.1", "p", 0.0, gone_at(200.0));
+        assert_eq!(decide(&facts(&written, None, Some(&p), 259.9), &s).action, Action::Wait(Some(at(260.0))));
+        assert_eq!(
+            decide(&facts(&written, None, Some(&p), 260.0), &s).action,
+            Action::Release { reason: ReleaseReason::Ttl, due: at(260.0) }
+        );
+    }
+
+    #[test]
+    fn a_terminal_pod_counts_as_gone_and_a_recreated_one_does_not_keep_the_hold() {
+        let p = policy("p", json!({}));
+        let r = record("10.0.0.1", "p", 0.0, None);
+        let failed = pod_of(&r, false, "Failed");
+        let d = decide(&facts(&r, Some(&failed), Some(&p), 10.0), &PlanSettings::default());
+        assert_eq!(d.status.pod_gone_at.as_ref().unwrap().0, at(10.0));
+        let mut recreated = pod_of(&r, false, "Running");
+        recreated.uid = "someone-else".into();
+        let d = decide(&facts(&r, Some(&recreated), Some(&p), 10.0), &PlanSettings::default());
+        assert!(d.status.pod_gone_at.is_some());
+    }
+
+    #[test]
+    fn a_kept_pod_is_dropped_after_the_grace() {
+        let p = policy("p", json!({}));
+        let r = record("10.0.0.1", "p", 0.0, None);
+        let running = pod_of(&r, false, "Running");
+        let s = PlanSettings { kept_pod_grace: Duration::from_secs(30), ..Default::default() };
+        let d = decide(&facts(&r, Some(&running), Some(&p), 10.0), &s);
+        assert_eq!(d.status.pod_kept_since.as_ref().unwrap().0, at(10.0));
+        assert_eq!(d.action, Action::Wait(Some(at(40.0))));
+        let mut kept = r.clone();
+        kept.status = Some(d.status);
+        assert_eq!(
+            decide(&facts(&kept, Some(&running), Some(&p), 40.0), &s).action,
+            Action::Release { reason: ReleaseReason::PodKept, due: at(40.0) }
+        );
+    }
+
+    #[test]
+    fn namespace_or_workload_gone_releases_early_only_where_the_policy_says_so() {
+        let keep = policy("keep", json!({}));
+        let early = policy("early", json!({ "releaseEarly": { "namespaceDeleted": true, "workloadDeleted": true } }));
+        let r = record("10.0.0.1", "early", 0.0, gone_at(1.0));
+        let mut f = facts(&r, None, Some(&early), 5.0);
+        f.namespace_exists = false;
+        assert_eq!(
+            decide(&f, &PlanSettings::default()).action,
+            Action::Release { reason: ReleaseReason::WorkloadGone, due: at(5.0) }
+        );
+        f.policy = Some(&keep);
+        assert_eq!(decide(&f, &PlanSettings::default()).action, Action::Wait(Some(at(61.0))));
+        let mut f = facts(&r, None, Some(&early), 5.0);
+        assert!(matches!(decide(&f, &PlanSettings::default()).action, Action::Wait(_)), "the StatefulSet still exists");
+        f.owner = Owner::Deleting;
+        assert!(matches!(decide(&f, &PlanSettings::default()).action, Action::Wait(_)), "not gone yet");
+        f.owner = Owner::Gone;
+        assert_eq!(
+            decide(&f, &PlanSettings::default()).action,
+            Action::Release { reason: ReleaseReason::WorkloadGone, due: at(5.0) }
+        );
+    }
+
+    #[test]
+    fn manual_release_and_extend() {
+        let p = policy("p", json!({}));
+        let mut r = record("10.0.0.1", "p", 0.0, gone_at(1.0));
+        r.spec.manual = Some(ManualChange {
+            action: ManualAction::Extend,
+            by: "alice".into(),
+            at: MicroTime(at(2.0)),
+            until: Some(MicroTime(at(7200.0))),
+        });
+        let d = decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default());
+        assert_eq!(d.status.release_at.as_ref().unwrap().0, at(7200.0));
+        assert_eq!(d.action, Action::Wait(Some(at(7200.0))));
+        r.spec.manual = Some(ManualChange {
+            action: ManualAction::Release,
+            by: "bob".into(),
+            at: MicroTime(at(50.0)),
+            until: None,
+        });
+        assert_eq!(
+            decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default()).action,
+            Action::Release { reason: ReleaseReason::Manual, due: at(50.0) }
+        );
+    }
+
+    #[test]
+    fn a_missing_entry_is_written_back_or_its_record_dropped_once_settled() {
+        let p = policy("p", json!({}));
+        let s = PlanSettings::default();
+        // Pod gone, not due: written back once the mismatch has lasted the settle time.
+        let r = record("10.0.0.1", "p", 0.0, gone_at(1.0));
+        let mut f = facts(&r, None, Some(&p), 10.0);
+        f.entry_present = false;
+        assert_eq!(decide(&f, &s).action, Action::Wait(Some(at(15.0))), "first seen: settle");
+        f.missing_since = Some(at(8.0));
+        assert_eq!(decide(&f, &s).action, Action::Wait(Some(at(13.0))));
+        f.missing_since = Some(at(5.0));
+        assert_eq!(decide(&f, &s).action, Action::WriteBack);
+        // Pod still running: the record goes.
+        let running_rec = record("10.0.0.2", "p", 0.0, None);
+        let running = pod_of(&running_rec, false, "Running");
+        let mut f = facts(&running_rec, Some(&running), Some(&p), 10.0);
+        f.entry_present = false;
+        f.missing_since = Some(at(0.0));
+        assert_eq!(decide(&f, &s).action, Action::Drop { reason: ReleaseReason::Repair, due: None });
+        // Past due: the release completes.
+        let past = record("10.0.0.3", "p", 0.0, gone_at(-100.0));
+        let mut f = facts(&past, None, Some(&p), 10.0);
+        f.entry_present = false;
+        f.missing_since = Some(at(0.0));
+        assert_eq!(decide(&f, &s).action, Action::Drop { reason: ReleaseReason::Ttl, due: Some(at(-40.0)) });
+    }
+
+    #[test]
+    fn a_deleted_policy_keeps_its_holds_due_times() {
+        let r = record("10.0.0.1", "gone", 0.0, gone_at(10.0));
+        let d = decide(&facts(&r, None, None, 30.0), &PlanSettings::default());
+        assert_eq!(d.action, Action::Wait(Some(at(70.0))));
+        assert_eq!(
+            decide(&facts(&r, None, None, 70.0), &PlanSettings::default()).action,
+            Action::Release { reason: ReleaseReason::Ttl, due: at(70.0) }
+        );
+    }
+}

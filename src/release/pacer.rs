@@ -1,0 +1,169 @@
+//! Release pacing, per policy: at most one release slot per `releaseInterval`, taking at
+//! most `releaseBatch` TTL, manual, pod-kept and early releases (Calico hands a
+//! just-released address to the very next allocation on that node, so a burst of expiries
+//! should not all land on one wave of new Pods). Cap releases come first in each slot,
+//! as many as the holds that arrived within the last interval (so the count never stays
+//! above the cap for longer than one interval), but at least `releaseBatch` — a lowered
+//! cap is worked off at that pace.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use capo_api::ReservedIP;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use tokio::time::Instant;
+
+use super::decide::ReleaseReason;
+
+/// One hold on its way out.
+#[derive(Clone, Debug)]
+pub struct Leaving {
+    pub record: Arc<ReservedIP>,
+    pub reason: ReleaseReason,
+    /// When it was due; `capo_release_lateness_seconds` measures from here.
+    pub due: Timestamp,
+}
+
+impl Leaving {
+    pub fn name(&self) -> String {
+        self.record.name_any()
+    }
+}
+
+#[derive(Default)]
+struct Slot {
+    last: Option<Instant>,
+    /// Cap releases, oldest hold first.
+    cap: Vec<Leaving>,
+    /// The others, by due time.
+    due: BTreeMap<(Timestamp, String), Leaving>,
+}
+
+/// What a slot gives out.
+#[derive(Debug)]
+pub enum Taken {
+    Batch(Vec<Leaving>),
+    /// The next slot opens then.
+    Wait(Instant),
+    Empty,
+}
+
+#[derive(Default)]
+pub struct Pacer {
+    slots: HashMap<String, Slot>,
+    /// Records submitted and not finished.
+    pending: HashSet<String>,
+}
+
+impl Pacer {
+    pub fn contains(&self, record: &str) -> bool {
+        self.pending.contains(record)
+    }
+
+    /// Queues a release of `policy`'s; a record already queued is left as it is.
+    pub fn submit(&mut self, policy: &str, leaving: Leaving) {
+        let name = leaving.name();
+        if !self.pending.insert(name.clone()) {
+            return;
+        }
+        let slot = self.slots.entry(policy.to_string()).or_default();
+        match leaving.reason {
+            ReleaseReason::Cap => slot.cap.push(leaving),
+            _ => {
+                slot.due.insert((leaving.due, name), leaving);
+            }
+        }
+    }
+
+    /// The releases of the slot that is open at `now`, if any.
+    pub fn take(&mut self, policy: &str, now: Instant, interval: Duration, batch: usize, cap_budget: usize) -> Taken {
+        let Some(slot) = self.slots.get_mut(policy) else { return Taken::Empty };
+        if slot.cap.is_empty() && slot.due.is_empty() {
+            self.slots.remove(policy);
+            return Taken::Empty;
+        }
+        if let Some(last) = slot.last
+            && last + interval > now
+        {
+            return Taken::Wait(last + interval);
+        }
+        let n = slot.cap.len().min(cap_budget.max(batch));
+        let mut out: Vec<Leaving> = slot.cap.drain(..n).collect();
+        while out.len() < n + batch {
+            let Some((_, l)) = slot.due.pop_first() else { break };
+            out.push(l);
+        }
+        slot.last = Some(now);
+        Taken::Batch(out)
+    }
+
+    /// Whether `policy` has releases waiting for a later slot.
+    pub fn waiting(&self, policy: &str) -> bool {
+        self.slots.get(policy).is_some_and(|s| !s.cap.is_empty() || !s.due.is_empty())
+    }
+
+    /// These records are done with (released, or to be looked at afresh).
+    pub fn finish(&mut self, records: impl IntoIterator<Item = String>) {
+        for r in records {
+            self.pending.remove(&r);
+        }
+    }
+
+    /// Puts releases back at the front (their write failed; the slot is spent).
+    pub fn put_back(&mut self, policy: &str, leaving: Vec<Leaving>) {
+        let slot = self.slots.entry(policy.to_string()).or_default();
+        for l in leaving {
+            match l.reason {
+                ReleaseReason::Cap => slot.cap.insert(0, l),
+                _ => {
+                    slot.due.insert((l.due, l.name()), l);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::release::decide::tests::{at, gone_at, record};
+
+    fn leaving(ip: &str, reason: ReleaseReason, due: f64) -> Leaving {
+        Leaving { record: Arc::new(record(ip, "p", 0.0, gone_at(0.0))), reason, due: at(due) }
+    }
+
+    #[test]
+    fn one_slot_per_interval_cap_first_then_by_due_time() {
+        let mut p = Pacer::default();
+        let t = Instant::now();
+        for (i, ip) in ["10.0.0.3", "10.0.0.1", "10.0.0.2"].iter().enumerate() {
+            p.submit("p", leaving(ip, ReleaseReason::Ttl, 10.0 - i as f64));
+        }
+        p.submit("p", leaving("10.0.0.9", ReleaseReason::Cap, 0.0));
+        p.submit("p", leaving("10.0.0.9", ReleaseReason::Ttl, 0.0)); // already queued
+        let Taken::Batch(b) = p.take("p", t, Duration::from_secs(5), 2, 0) else { panic!() };
+        let ips: Vec<&str> = b.iter().map(|l| l.record.spec.ip.as_str()).collect();
+        assert_eq!(ips, vec!["10.0.0.9", "10.0.0.2", "10.0.0.1"], "cap first, then the two due first");
+        assert!(
+            matches!(p.take("p", t + Duration::from_secs(1), Duration::from_secs(5), 2, 0), Taken::Wait(w) if w == t + Duration::from_secs(5))
+        );
+        let Taken::Batch(b) = p.take("p", t + Duration::from_secs(5), Duration::from_secs(5), 2, 0) else { panic!() };
+        assert_eq!(b.len(), 1);
+        assert!(matches!(p.take("p", t + Duration::from_secs(20), Duration::from_secs(5), 2, 0), Taken::Empty));
+    }
+
+    #[test]
+    fn a_lowered_cap_is_worked_off_at_the_batch_pace_unless_new_holds_arrive() {
+        let mut p = Pacer::default();
+        for i in 0..10 {
+            p.submit("p", leaving(&format!("10.0.1.{i}"), ReleaseReason::Cap, 0.0));
+        }
+        let t = Instant::now();
+        let Taken::Batch(b) = p.take("p", t, Duration::from_secs(1), 3, 0) else { panic!() };
+        assert_eq!(b.len(), 3);
+        let Taken::Batch(b) = p.take("p", t + Duration::from_secs(1), Duration::from_secs(1), 3, 5) else { panic!() };
+        assert_eq!(b.len(), 5, "five holds arrived meanwhile: five go");
+    }
+}

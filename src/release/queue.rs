@@ -1,0 +1,257 @@
+//! A keyed work queue, as Kubernetes controllers use: a key waiting is queued once however
+//! often it is added; a key being worked on is not handed to a second worker, and if it is
+//! added meanwhile it runs again afterwards; a key can be added for later (the earliest
+//! time wins); a key that failed comes back after an exponential backoff, reset when it
+//! succeeds.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::hash::Hash;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+struct Inner<K> {
+    /// Ready to run, in order.
+    ready: VecDeque<K>,
+    queued: HashSet<K>,
+    /// Being worked on.
+    active: HashSet<K>,
+    /// Added while active: run again when done.
+    again: HashSet<K>,
+    /// Waiting for a time: key → when, and the same ordered by time.
+    later: HashMap<K, Instant>,
+    timeline: BTreeSet<(Instant, u64, K)>,
+    seq: u64,
+    failures: HashMap<K, u32>,
+    closed: bool,
+}
+
+pub struct WorkQueue<K> {
+    inner: Mutex<Inner<K>>,
+    wake: Notify,
+    base: Duration,
+    max: Duration,
+}
+
+impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
+    /// A queue whose failed keys come back after `base`, doubling up to `max`.
+    pub fn new(base: Duration, max: Duration) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                ready: VecDeque::new(),
+                queued: HashSet::new(),
+                active: HashSet::new(),
+                again: HashSet::new(),
+                later: HashMap::new(),
+                timeline: BTreeSet::new(),
+                seq: 0,
+                failures: HashMap::new(),
+                closed: false,
+            }),
+            wake: Notify::new(),
+            base,
+            max,
+        }
+    }
+
+    fn push_ready(inner: &mut Inner<K>, key: K) {
+        if let Some(at) = inner.later.remove(&key) {
+            inner.timeline.retain(|(t, _, k)| !(*t == at && *k == key));
+        }
+        if inner.active.contains(&key) {
+            inner.again.insert(key);
+        } else if inner.queued.insert(key.clone()) {
+            inner.ready.push_back(key);
+        }
+    }
+
+    /// Runs `key` as soon as a worker is free.
+    pub fn add(&self, key: K) {
+        let mut inner = self.inner.lock().expect("queue lock");
+        Self::push_ready(&mut inner, key);
+        drop(inner);
+        self.wake.notify_one();
+    }
+
+    /// Runs `key` at `at` at the latest (an earlier time already set wins).
+    pub fn add_at(&self, key: K, at: Instant) {
+        if at <= Instant::now() {
+            return self.add(key);
+        }
+        let mut inner = self.inner.lock().expect("queue lock");
+        if inner.queued.contains(&key) {
+            return;
+        }
+        if let Some(&prev) = inner.later.get(&key) {
+            if prev <= at {
+                return;
+            }
+            inner.timeline.retain(|(t, _, k)| !(*t == prev && *k == key));
+        }
+        inner.seq += 1;
+        let seq = inner.seq;
+        inner.later.insert(key.clone(), at);
+        inner.timeline.insert((at, seq, key));
+        drop(inner);
+        self.wake.notify_one();
+    }
+
+    pub fn add_after(&self, key: K, after: Duration) {
+        self.add_at(key, Instant::now() + after);
+    }
+
+    /// `key` failed: it runs again after its backoff; returns that backoff.
+    pub fn retry(&self, key: K) -> Duration {
+        let delay = {
+            let mut inner = self.inner.lock().expect("queue lock");
+            let n = inner.failures.entry(key.clone()).or_insert(0);
+            *n += 1;
+            self.base.saturating_mul(1 << (*n - 1).min(16)).min(self.max)
+        };
+        self.add_after(key, delay);
+        delay
+    }
+
+    /// `key` succeeded: its backoff starts over.
+    pub fn forget(&self, key: &K) {
+        self.inner.lock().expect("queue lock").failures.remove(key);
+    }
+
+    /// The next key to work on; `None` once closed. Call [`WorkQueue::done`] after.
+    pub async fn next(&self) -> Option<K> {
+        loop {
+            let sleep_until = {
+                let mut inner = self.inner.lock().expect("queue lock");
+                if inner.closed {
+                    return None;
+                }
+                let now = Instant::now();
+                while let Some((at, _, _)) = inner.timeline.first() {
+                    if *at > now {
+                        break;
+                    }
+                    let (_, _, key) = inner.timeline.pop_first().expect("first exists");
+                    inner.later.remove(&key);
+                    if inner.active.contains(&key) {
+                        inner.again.insert(key);
+                    } else if inner.queued.insert(key.clone()) {
+                        inner.ready.push_back(key);
+                    }
+                }
+                if let Some(key) = inner.ready.pop_front() {
+                    inner.queued.remove(&key);
+                    inner.active.insert(key.clone());
+                    return Some(key);
+                }
+                inner.timeline.first().map(|(at, _, _)| *at)
+            };
+            match sleep_until {
+                Some(at) => {
+                    tokio::select! {
+                        _ = self.wake.notified() => {}
+                        _ = tokio::time::sleep_until(at) => {}
+                    }
+                }
+                None => self.wake.notified().await,
+            }
+        }
+    }
+
+    /// The work on `key` is over.
+    pub fn done(&self, key: &K) {
+        let mut inner = self.inner.lock().expect("queue lock");
+        inner.active.remove(key);
+        if inner.again.remove(key) {
+            Self::push_ready(&mut inner, key.clone());
+            drop(inner);
+            self.wake.notify_one();
+        }
+    }
+
+    /// Keys waiting (ready or for a time).
+    pub fn len(&self) -> usize {
+        let inner = self.inner.lock().expect("queue lock");
+        inner.ready.len() + inner.later.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every worker's `next` returns `None` from now on.
+    pub fn close(&self) {
+        self.inner.lock().expect("queue lock").closed = true;
+        self.wake.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue() -> WorkQueue<u32> {
+        WorkQueue::new(Duration::from_millis(100), Duration::from_secs(1))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_is_queued_once_and_not_handed_out_twice() {
+        let q = queue();
+        q.add(1);
+        q.add(1);
+        q.add(2);
+        assert_eq!(q.next().await, Some(1));
+        q.add(1); // while active: again afterwards, not now
+        assert_eq!(q.next().await, Some(2));
+        assert!(tokio::time::timeout(Duration::from_millis(10), q.next()).await.is_err());
+        q.done(&1);
+        assert_eq!(q.next().await, Some(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn later_keys_come_at_their_time_and_the_earliest_wins() {
+        let q = queue();
+        let t0 = Instant::now();
+        q.add_after(1, Duration::from_secs(5));
+        q.add_after(1, Duration::from_secs(2));
+        q.add_after(1, Duration::from_secs(9));
+        q.add_after(2, Duration::from_secs(3));
+        assert_eq!(q.next().await, Some(1));
+        assert_eq!(t0.elapsed(), Duration::from_secs(2));
+        assert_eq!(q.next().await, Some(2));
+        assert_eq!(t0.elapsed(), Duration::from_secs(3));
+        // An add now overrides a later time.
+        q.add_after(3, Duration::from_secs(60));
+        q.add(3);
+        assert_eq!(q.next().await, Some(3));
+        assert_eq!(t0.elapsed(), Duration::from_secs(3));
+        assert!(q.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_back_off_exponentially_until_forgotten() {
+        let q = queue();
+        assert_eq!(q.retry(7), Duration::from_millis(100));
+        assert_eq!(q.retry(7), Duration::from_millis(200));
+        assert_eq!(q.retry(7), Duration::from_millis(400));
+        for _ in 0..10 {
+            q.retry(7);
+        }
+        assert_eq!(q.retry(7), Duration::from_secs(1), "capped");
+        q.forget(&7);
+        assert_eq!(q.retry(7), Duration::from_millis(100));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn closing_stops_the_workers() {
+        let q = std::sync::Arc::new(queue());
+        let w = {
+            let q = q.clone();
+            tokio::spawn(async move { q.next().await })
+        };
+        tokio::task::yield_now().await;
+        q.close();
+        assert_eq!(w.await.unwrap(), None);
+    }
+}
