@@ -174,8 +174,11 @@ impl ReleaseMetrics {
         let leader =
             prometheus::IntGauge::new("leader", "1 while this replica holds the Lease.").expect("static metric");
         registry.register(Box::new(leader.clone())).expect("unique metric");
-        let queue_depth = prometheus::IntGauge::new("release_queue_depth", "Keys waiting in the leader's work queue.")
-            .expect("static metric");
+        let queue_depth = prometheus::IntGauge::new(
+            "release_queue_depth",
+            "Keys due now in the leader's work queue (holds waiting for their due time are not counted).",
+        )
+        .expect("static metric");
         registry.register(Box::new(queue_depth.clone())).expect("unique metric");
         Self {
             held: gauge("held_ips", "IPs held now, by policy (set by the leader)."),

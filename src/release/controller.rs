@@ -398,7 +398,7 @@ impl Ctx {
                     None => return,
                 },
             }
-            self.metrics.release.queue_depth.set(self.queue.len() as i64);
+            self.metrics.release.queue_depth.set(self.queue.busy() as i64);
         }
     }
 
@@ -448,6 +448,7 @@ impl Ctx {
                 }
             }
             self.queue.done(&key);
+            self.metrics.release.queue_depth.set(self.queue.busy() as i64);
         }
     }
 

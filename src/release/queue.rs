@@ -176,6 +176,12 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         inner.ready.len() + inner.later.len()
     }
 
+    /// Keys due now (not those waiting for a time), in work or not.
+    pub fn busy(&self) -> usize {
+        let inner = self.inner.lock().expect("queue lock");
+        inner.ready.len()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -143,6 +143,38 @@ pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) {
 pub async fn install_capo_crds(client: &Client) {
     install_crd(client, CapoPolicy::crd()).await;
     install_crd(client, ReservedIP::crd()).await;
+    records_writable(client).await;
+}
+
+/// Right after a fresh control plane installed its CRDs (Calico's ~20 of them, then
+/// capo's), the API server was seen to leave the first `ReservedIP` create of a test
+/// unanswered for many seconds — far beyond anything a cluster whose CRDs were installed
+/// before capo shows. Round-trips a throwaway record until one is answered at once.
+async fn records_writable(client: &Client) {
+    let api = Api::<ReservedIP>::all(client.clone());
+    let name = "0.0.0.0";
+    let rec: ReservedIP = serde_json::from_value(json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP",
+        "metadata": { "name": name, "labels": { "capo-test/warm-up": "true" } },
+        "spec": { "ip": "0.0.0.0", "cidr": "0.0.0.0/32", "reservation": "capo-warm-up",
+                  "calicoApiGroup": "crd.projectcalico.org/v1", "policy": "warm-up",
+                  "pod": { "namespace": "", "name": "", "uid": "" },
+                  "trigger": "Adopted", "reservedAt": "2026-01-01T00:00:00.000000Z", "reserveFor": "1s" },
+    }))
+    .expect("a warm-up record");
+    eventually("a ReservedIP create answered at once", Duration::from_secs(60), || {
+        let (api, rec) = (api.clone(), rec.clone());
+        async move {
+            let created = tokio::time::timeout(Duration::from_secs(2), api.create(&PostParams::default(), &rec)).await;
+            let _ = api.delete(name, &DeleteParams::default()).await;
+            match created {
+                Ok(Ok(_)) => Some(()),
+                Ok(Err(kube::Error::Api(s))) if s.code == 409 => Some(()),
+                _ => None,
+            }
+        }
+    })
+    .await;
 }
 
 pub async fn install_calico_crds(client: &Client) {
