@@ -690,16 +690,24 @@ impl Ctx {
         for l in &leaving {
             by_shard.entry(shard_of(l)).or_default().insert(l.record.spec.cidr.clone());
         }
+        // The shards go concurrently too: a large policy's slot spans all of them.
+        let removals: Vec<_> = futures::stream::iter(by_shard)
+            .map(|((group, shard), cidrs)| async move {
+                let removed = self.reservations.remove(group, &shard, &cidrs, &self.fence).await;
+                ((group, shard), removed)
+            })
+            .buffer_unordered(8)
+            .collect()
+            .await;
         let mut out = HashSet::new();
         let mut failed = None;
-        for ((group, shard), cidrs) in &by_shard {
-            match self.reservations.remove(*group, shard, cidrs, &self.fence).await {
+        for (key, removed) in removals {
+            match removed {
                 Ok(_) => {
-                    out.insert((*group, shard.clone()));
+                    out.insert(key);
                 }
                 Err(source) => {
-                    failed = Some(ReleaseError::Reservation { reservation: shard.clone(), source });
-                    break;
+                    failed.get_or_insert(ReleaseError::Reservation { reservation: key.1, source });
                 }
             }
         }
