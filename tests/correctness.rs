@@ -61,7 +61,8 @@ async fn d01_the_safety_net_holds_a_pod_uid_at_most_once() {
     // ... and leaves the released Pod alone.
     assert!(record(&client, ip).await.is_none(), "the released hold of redis-0 was recreated");
     let holds = format!("capo_safety_net_holds_total{{policy=\"{policy}\"}}");
-    assert_eq!(metric_value(&capo, &holds), Some(2.0), "one hold per Pod UID");
+    // The counter moves once the hold's writes are answered, just after the record shows.
+    assert_eq!(wait_metric(&capo, &holds, 2.0).await, 2.0, "one hold per Pod UID");
 
     // A fresh capo beside the released Pod and the lost race.
     capo.shutdown().await;
@@ -70,7 +71,7 @@ async fn d01_the_safety_net_holds_a_pod_uid_at_most_once() {
     failed_and_netted(&client, &ns.name, "redis-2").await;
     assert!(record(&client, ip).await.is_none(), "a fresh capo recreated the released hold of redis-0");
     assert!(record(&client, later).await.is_some(), "redis-1 stays held");
-    assert_eq!(metric_value(&fresh, &holds), Some(1.0), "the fresh capo held only redis-2");
+    assert_eq!(wait_metric(&fresh, &holds, 1.0).await, 1.0, "the fresh capo held only redis-2");
     assert_eq!(metric_value(&fresh, &lost).unwrap_or(0.0), 0.0, "the lost race was counted again");
     assert_eq!(event_count(&client, &ns.name, "late", "LateHoldLost").await, 1, "one LateHoldLost per Pod");
     assert!(record(&client, shared_ip).await.is_none(), "someone else's address is never reserved");
