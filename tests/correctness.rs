@@ -531,7 +531,8 @@ async fn a_policy_deleted_and_recreated_under_its_name_takes_its_holds_back() {
     wait_released(&client, ips[0], Duration::from_secs(20)).await;
     wait_released(&client, ips[1], Duration::from_secs(20)).await;
     assert!(record(&client, ips[2]).await.is_some());
-    assert_eq!(metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}")), Some(2.0));
+    let cap = format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}");
+    assert_eq!(wait_metric(&capo, &cap, 2.0).await, 2.0);
 }
 
 /// Lowering `maxReserved` releases the excess at the policy's pace (`releaseBatch` per

@@ -21,6 +21,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp, tz};
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
+use support::leading::wait_metric;
 use support::*;
 
 /// Calico's v3 IPReservation as calico-apiserver serves it: entries are any strings, and
@@ -185,7 +186,7 @@ async fn the_originals_holds_are_taken_over_with_their_reserve_times() {
     let held = reservation(&client, CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.unwrap();
     assert!(!held.contains(&cidr(stale)) && held.contains(&cidr(fresh)), "{held:?}");
     let ttl = format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}");
-    assert_eq!(metric_value(&capo, &ttl), Some(1.0), "released by the leader for its TTL");
+    assert_eq!(wait_metric(&capo, &ttl, 1.0).await, 1.0, "released by the leader for its TTL");
     let rec = record(&client, fresh).await.expect("the fresh hold stays");
     let release_at = rec.status.unwrap().release_at.unwrap().0;
     assert_eq!(seconds(release_at), seconds(fresh_at + SignedDuration::from_mins(40)), "due when the original's was");

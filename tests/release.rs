@@ -46,8 +46,10 @@ async fn a_short_ttl_is_released_on_time_and_never_before_the_pod_is_gone() {
     assert!(late >= -0.05, "released {late:.3}s before its releaseAt");
     assert!(late <= 1.2, "released {late:.3}s after its releaseAt");
     assert!(!entries(&client, &policy).await.contains(&cidr(ip)), "the entry left the Calico reservation");
-    assert_eq!(metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}")), Some(1.0));
-    assert_eq!(metric_value(&capo, &format!("capo_release_lateness_seconds_count{{policy=\"{policy}\"}}")), Some(1.0));
+    let ttl = format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}");
+    assert_eq!(wait_metric(&capo, &ttl, 1.0).await, 1.0);
+    let lateness = format!("capo_release_lateness_seconds_count{{policy=\"{policy}\"}}");
+    assert_eq!(wait_metric(&capo, &lateness, 1.0).await, 1.0);
     assert_eq!(metric_value(&capo, "capo_leader"), Some(1.0));
 }
 
@@ -99,7 +101,8 @@ async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() 
     let mut want: Vec<String> = ips[3..].iter().map(|&ip| cidr(ip)).collect();
     want.sort();
     assert_eq!(left, want);
-    assert_eq!(metric_value(&capo, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}")), Some(3.0));
+    let cap = format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}");
+    assert_eq!(wait_metric(&capo, &cap, 3.0).await, 3.0);
     let note = wait_event(&client, "default", &policy, "CapReached").await;
     assert!(note.contains("maxReserved=2"), "{note}");
     let note = wait_event(&client, &ns.name, "redis-4", "IPHeld").await;

@@ -163,6 +163,9 @@ pub async fn wait_status(client: &Client, ip: IpAddr) -> ReservedIP {
 }
 
 /// Waits until `app`'s metric `needle` reaches at least `at_least`.
+/// The value of a counter once it reached `at_least` (counters move just after the API
+/// write they count is answered, so a test that saw the write may read them a moment
+/// early). Assert the exact value on what this returns.
 pub async fn wait_metric(app: &capo::App, needle: &str, at_least: f64) -> f64 {
     eventually(&format!("{needle} >= {at_least}"), Duration::from_secs(30), || async {
         metric_value(app, needle).filter(|v| *v >= at_least)
