@@ -604,7 +604,16 @@ pub fn shared_with(calico: Calico) -> &'static Shared {
         std::thread::Builder::new()
             .name("capo-testenv".into())
             .spawn(move || {
-                let started = ControlPlane::start_with(opts, calico);
+                // A component can lose its port to another control plane starting in the
+                // same test binary at the same moment (ports are picked free, then bound
+                // by the component): start again, up to three times.
+                let mut started = ControlPlane::start_with(opts.clone(), calico);
+                for attempt in 2..=3 {
+                    let Err(e) = &started else { break };
+                    eprintln!("capo-testenv: the control plane did not start ({e}); attempt {attempt}");
+                    let _ = std::fs::remove_dir_all(&opts.state_dir);
+                    started = ControlPlane::start_with(opts.clone(), calico);
+                }
                 let result = started.as_ref().map(|cp| cp.kubeconfig.clone()).map_err(|e| e.to_string());
                 let _ = tx.send(result);
                 // Keep the processes' parent thread alive for the life of the process;
