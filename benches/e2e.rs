@@ -101,7 +101,8 @@ async fn start_capo(
             &format!("--self-register-url=https://127.0.0.1:{port}"),
             &format!("--probe-addr=127.0.0.1:{probe}"),
             &format!("--webhook-namespaces={}", namespaces.join(",")),
-            "--webhook-config-name=capo-bench",
+            // Its own configuration: an earlier capo's clean shutdown deletes its own.
+            &format!("--webhook-config-name=capo-bench-{port}"),
             "--leader-elect=false",
             "--calico-api=crd.projectcalico.org/v1",
         ])
