@@ -414,6 +414,11 @@ impl Ctx {
                 self.queue.add(Key::Shard(group, r.spec.reservation.clone()));
             }
         }
+        if let Some(old) = &before
+            && after.as_ref().is_none_or(|a| a.metadata.uid != old.metadata.uid)
+        {
+            self.pacer.lock().expect("pacer lock").seen_gone(&name, old.metadata.uid.as_deref());
+        }
         if let (None, Some(new)) = (&before, &after) {
             let mut memory = self.memory.lock().expect("memory lock");
             memory.arrivals.entry(new.spec.policy.clone()).or_default().push_back(Instant::now());
@@ -496,7 +501,7 @@ impl Ctx {
             return Ok(None);
         };
         let spec = &rec.spec;
-        if !self.in_scope(&spec.policy) || self.pacer.lock().expect("pacer lock").contains(name) {
+        if !self.in_scope(&spec.policy) || self.pacer.lock().expect("pacer lock").contains(&rec) {
             return Ok(None);
         }
         let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
@@ -615,7 +620,7 @@ impl Ctx {
             let pacer = self.pacer.lock().expect("pacer lock");
             let counted: Vec<cap::Counted<'_>> = holds
                 .iter()
-                .filter(|r| !pacer.contains(&r.name_any()))
+                .filter(|r| !pacer.contains(r))
                 .map(|r| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     namespace: &r.spec.pod.namespace,
@@ -716,17 +721,29 @@ impl Ctx {
             self.pacer.lock().expect("pacer lock").put_back(policy, back);
         }
         // The records go concurrently (a slot of a large policy releases hundreds).
-        let results: Vec<Result<(), ReleaseError>> = futures::stream::iter(gone.clone())
-            .map(|l| async move { self.finish_release(&l).await })
+        let results: Vec<(Leaving, Result<(), ReleaseError>)> = futures::stream::iter(gone)
+            .map(|l| async move {
+                let r = self.finish_release(&l).await;
+                (l, r)
+            })
             .buffer_unordered(16)
             .collect()
             .await;
-        let result = results.into_iter().find(Result::is_err).unwrap_or(Ok(()));
+        let (done, failed_records): (Vec<_>, Vec<_>) = results.into_iter().partition(|(_, r)| r.is_ok());
         let more = {
             let mut pacer = self.pacer.lock().expect("pacer lock");
-            pacer.finish(gone.iter().map(Leaving::name));
+            // Released, and still in the store (its deletion not seen yet): kept out of
+            // every count until it is, or the cap would take one hold too many.
+            pacer.finish(done.iter().map(|(l, _)| l.name()));
+            let unseen = done
+                .into_iter()
+                .map(|(l, _)| l.record)
+                .filter(|r| self.records.get(&r.name_any()).is_some_and(|now| now.metadata.uid == r.metadata.uid));
+            pacer.released(unseen, Instant::now());
+            pacer.finish(failed_records.iter().map(|(l, _)| l.name()));
             pacer.waiting(policy)
         };
+        let result = failed_records.into_iter().map(|(_, r)| r).next().unwrap_or(Ok(()));
         if let Some(e) = failed {
             return Err(e);
         }

@@ -55,19 +55,31 @@ pub struct Pacer {
     slots: HashMap<String, Slot>,
     /// Records submitted and not finished.
     pending: HashSet<String>,
+    /// Records released whose deletion the record store has not shown yet: name → the
+    /// released record's uid. Until the store catches up they are neither counted against
+    /// the cap nor released again (a stale store would otherwise make the cap take one
+    /// more hold than it should).
+    released: HashMap<String, (String, Instant)>,
 }
 
+/// How long a released record is remembered if the store never shows its deletion.
+const FORGET_RELEASED_AFTER: Duration = Duration::from_secs(600);
+
 impl Pacer {
-    pub fn contains(&self, record: &str) -> bool {
-        self.pending.contains(record)
+    /// Whether this record is on its way out or already released.
+    pub fn contains(&self, record: &ReservedIP) -> bool {
+        let name = record.name_any();
+        self.pending.contains(&name)
+            || self.released.get(&name).is_some_and(|(uid, _)| Some(uid) == record.metadata.uid.as_ref())
     }
 
     /// Queues a release of `policy`'s; a record already queued is left as it is.
     pub fn submit(&mut self, policy: &str, leaving: Leaving) {
-        let name = leaving.name();
-        if !self.pending.insert(name.clone()) {
+        if self.contains(&leaving.record) {
             return;
         }
+        let name = leaving.name();
+        self.pending.insert(name.clone());
         let slot = self.slots.entry(policy.to_string()).or_default();
         match leaving.reason {
             ReleaseReason::Cap => slot.cap.push(leaving),
@@ -108,6 +120,26 @@ impl Pacer {
     pub fn finish(&mut self, records: impl IntoIterator<Item = String>) {
         for r in records {
             self.pending.remove(&r);
+        }
+    }
+
+    /// These records are released: until the store shows them gone
+    /// ([`Pacer::seen_gone`]) they stay out of every count.
+    pub fn released(&mut self, records: impl IntoIterator<Item = Arc<ReservedIP>>, now: Instant) {
+        self.released.retain(|_, (_, at)| now.duration_since(*at) < FORGET_RELEASED_AFTER);
+        for r in records {
+            let name = r.name_any();
+            self.pending.remove(&name);
+            if let Some(uid) = r.metadata.uid.clone() {
+                self.released.insert(name, (uid, now));
+            }
+        }
+    }
+
+    /// The store no longer holds `name` with `uid` (deleted, or replaced by another hold).
+    pub fn seen_gone(&mut self, name: &str, uid: Option<&str>) {
+        if self.released.get(name).is_some_and(|(u, _)| Some(u.as_str()) == uid) {
+            self.released.remove(name);
         }
     }
 
@@ -165,5 +197,34 @@ mod tests {
         assert_eq!(b.len(), 3);
         let Taken::Batch(b) = p.take("p", t + Duration::from_secs(1), Duration::from_secs(1), 3, 5) else { panic!() };
         assert_eq!(b.len(), 5, "five holds arrived meanwhile: five go");
+    }
+
+    fn with_uid(l: Leaving, uid: &str) -> Leaving {
+        let mut r = (*l.record).clone();
+        r.metadata.uid = Some(uid.into());
+        Leaving { record: Arc::new(r), ..l }
+    }
+
+    #[test]
+    fn a_released_record_the_store_still_shows_is_not_counted_or_released_again() {
+        let mut p = Pacer::default();
+        let t = Instant::now();
+        let a = with_uid(leaving("10.0.2.1", ReleaseReason::Cap, 0.0), "uid-a");
+        p.submit("p", a.clone());
+        let Taken::Batch(b) = p.take("p", t, Duration::from_secs(1), 1, 0) else { panic!() };
+        p.released(b.into_iter().map(|l| l.record), t);
+        assert!(p.contains(&a.record), "released, not yet seen gone: still out of the count");
+        p.submit("p", a.clone());
+        assert!(matches!(p.take("p", t + Duration::from_secs(5), Duration::from_secs(1), 1, 0), Taken::Empty));
+        // The same name held again for another Pod (a new record): counted as usual.
+        let again = with_uid(leaving("10.0.2.1", ReleaseReason::Cap, 0.0), "uid-b");
+        assert!(!p.contains(&again.record));
+        // Once the store shows the deletion, the name is forgotten.
+        p.seen_gone("10.0.2.1", Some("uid-a"));
+        assert!(!p.contains(&a.record));
+        // Remembered at most ten minutes if the store never shows it.
+        p.released([a.record.clone()], t);
+        p.released([], t + FORGET_RELEASED_AFTER);
+        assert!(!p.contains(&a.record));
     }
 }
