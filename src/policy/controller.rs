@@ -4,13 +4,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use crate::store::Guarded;
 use arc_swap::ArcSwap;
 use capo_api::CapoPolicy;
 use capo_api::policy::{CapoPolicyStatus, READY_CONDITION};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch, PatchParams};
-use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
@@ -64,7 +64,7 @@ impl PolicyController {
     pub async fn run(mut self) {
         // One object that does not deserialize must not stall the others: each arrives as
         // its own Ok or Err.
-        let api = Api::<DeserializeGuard<CapoPolicy>>::all(self.client.clone());
+        let api = Api::<Guarded<CapoPolicy>>::all(self.client.clone());
         let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut policies: BTreeMap<String, Entry> = BTreeMap::new();
         let mut listing: BTreeMap<String, Entry> = BTreeMap::new();

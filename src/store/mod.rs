@@ -5,6 +5,7 @@
 //! cannot read is reported and skipped instead of stalling the rest. Stores tell
 //! subscribers what changed.
 
+pub mod guard;
 pub mod namespaces;
 pub mod pods;
 pub mod records;
@@ -15,12 +16,12 @@ use std::fmt::Debug;
 use futures::StreamExt;
 use kube::Resource;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
 use kube::core::error_boundary::InvalidObject;
 use kube::runtime::{WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 use tracing::warn;
 
+pub use guard::Guarded;
 pub use namespaces::{NamespaceFacts, NamespaceStore};
 pub use pods::PodStore;
 pub use records::RecordIndex;
@@ -46,12 +47,8 @@ pub enum Change<K> {
 
 /// Runs a watch of `api` in which every object is decoded on its own, and hands each event
 /// to `apply` until the task is dropped.
-pub async fn guarded_watch<K, F>(
-    what: &'static str,
-    api: Api<DeserializeGuard<K>>,
-    config: watcher::Config,
-    mut apply: F,
-) where
+pub async fn guarded_watch<K, F>(what: &'static str, api: Api<Guarded<K>>, config: watcher::Config, mut apply: F)
+where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
     F: FnMut(Change<K>),
@@ -60,15 +57,15 @@ pub async fn guarded_watch<K, F>(
     while let Some(event) = events.next().await {
         let change = match event {
             Ok(watcher::Event::Init) => Change::Restart,
-            Ok(watcher::Event::InitApply(DeserializeGuard(o))) => match o {
+            Ok(watcher::Event::InitApply(Guarded(o))) => match o {
                 Ok(object) => Change::Apply { object, initial: true },
                 Err(bad) => Change::Invalid(Box::new(bad)),
             },
-            Ok(watcher::Event::Apply(DeserializeGuard(o))) => match o {
+            Ok(watcher::Event::Apply(Guarded(o))) => match o {
                 Ok(object) => Change::Apply { object, initial: false },
                 Err(bad) => Change::Invalid(Box::new(bad)),
             },
-            Ok(watcher::Event::Delete(DeserializeGuard(o))) => match o {
+            Ok(watcher::Event::Delete(Guarded(o))) => match o {
                 Ok(object) => Change::Delete(object),
                 Err(bad) => Change::Invalid(Box::new(bad)),
             },

@@ -4,9 +4,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 
+use crate::store::Guarded;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
-use kube::core::{DeserializeGuard, PartialObjectMeta};
+use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use tokio::sync::broadcast;
@@ -55,7 +56,7 @@ impl NamespaceStore {
     }
 
     pub async fn watch(self: Arc<Self>, client: Client, readiness: Arc<Readiness>) {
-        let api = Api::<DeserializeGuard<PartialObjectMeta<Namespace>>>::all(client);
+        let api = Api::<Guarded<PartialObjectMeta<Namespace>>>::all(client);
         let facts = |ns: &PartialObjectMeta<Namespace>| {
             Arc::new(NamespaceFacts::from_meta(
                 &ns.name_any(),

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, RwLock};
 
+use crate::store::Guarded;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use tokio::sync::broadcast;
@@ -118,7 +118,7 @@ impl PodStore {
     /// Keeps the store current until the task is dropped.
     /// `events` counts the changes and deletions handled.
     pub async fn watch(self: Arc<Self>, client: Client, readiness: Arc<Readiness>, events: prometheus::IntCounter) {
-        let api = Api::<DeserializeGuard<TrimmedPod>>::all(client);
+        let api = Api::<Guarded<TrimmedPod>>::all(client);
         let mut listing: Vec<Arc<PodFacts>> = Vec::new();
         guarded_watch("pods", api, watcher::Config::default(), |change| match change {
             Change::Restart => listing.clear(),

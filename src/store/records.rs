@@ -5,9 +5,9 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 
+use crate::store::Guarded;
 use capo_api::ReservedIP;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use tokio::sync::{broadcast, watch};
@@ -148,7 +148,7 @@ impl RecordIndex {
     }
 
     pub async fn watch(self: Arc<Self>, client: Client) {
-        let api = Api::<DeserializeGuard<ReservedIP>>::all(client);
+        let api = Api::<Guarded<ReservedIP>>::all(client);
         let mut listing = Vec::new();
         guarded_watch("reservedips", api, watcher::Config::default(), |change| match change {
             Change::Restart => listing.clear(),

@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
+use crate::store::Guarded;
 use k8s_openapi::api::apps::v1::{ReplicaSet, StatefulSet};
 use kube::api::Api;
-use kube::core::{DeserializeGuard, PartialObjectMeta};
+use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::{broadcast, watch};
@@ -80,7 +81,7 @@ impl WorkloadStore {
         K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     {
         let kind = K::kind(&()).to_string();
-        let api = Api::<DeserializeGuard<PartialObjectMeta<K>>>::all(client);
+        let api = Api::<Guarded<PartialObjectMeta<K>>>::all(client);
         let key = |o: &PartialObjectMeta<K>| (o.namespace().unwrap_or_default(), kind.clone(), o.name_any());
         let mut listing = HashMap::new();
         guarded_watch(what, api, watcher::Config::default(), |change| match change {
