@@ -589,8 +589,9 @@ async fn lowering_the_cap_releases_the_excess_at_the_policys_pace() {
         let first = window.map(|(_, m)| *m).max().unwrap_or(*n);
         assert!(first - n <= 2, "more than releaseBatch=2 released within one interval: {seen:?}");
     }
+    // Three slots a second apart span two seconds; seen by a 50 ms poll, a little less.
     let took = seen.last().unwrap().0.duration_since(seen[0].0);
-    assert!(took >= Duration::from_secs(2), "six released in three slots, not at once: {seen:?}");
+    assert!(took >= Duration::from_millis(1800), "six released in three slots, not at once: {seen:?}");
     // The oldest went, the two newest stay.
     for ip in &ips[..6] {
         assert!(record(&client, *ip).await.is_none(), "{ip}");

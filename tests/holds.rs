@@ -562,3 +562,58 @@ async fn pods_opt_in_by_annotation_and_ask_for_a_hold_time_within_bounds() {
         assert_eq!((rec.spec.policy.as_str(), rec.spec.reserve_for.as_str()), (policy.as_str(), granted), "{name}");
     }
 }
+
+/// The API server reviews one deletion several times, and clients repeat theirs (`kubectl
+/// drain` retries an eviction a budget refuses every few seconds): a later review of the
+/// same Pod checks the hold this capo made a moment ago (the watched copy of the
+/// reservation, and the record read now) instead of sending both writes again — an append
+/// refused as a duplicate and a read of the whole reservation, a create refused as
+/// existing and a read of the record.
+#[tokio::test]
+async fn a_repeated_review_of_the_same_pod_checks_its_hold_instead_of_writing_it_again() {
+    use axum::http::Method;
+    let (client, ns) = setup("h-repeat").await;
+    let proxy = support::faults::FaultProxy::start(client.clone()).await;
+    let name = format!("capo-test-{}", ns.name);
+    let capo = start_capo_with(&proxy.client(), &ns.name, capo_settings(&name, &[&ns.name], None)).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("redis-0", &[("app", "redis")], &[]), &[ip]).await;
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "redis" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "redis" } } },
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns.name)
+        .create(&PostParams::default(), &pdb)
+        .await
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let held = || metric_value(&capo, "capo_admission_requests_total{operation=\"eviction\",outcome=\"held\"}");
+    let evict = || async {
+        match pods.evict("redis-0", &Default::default()).await {
+            Err(kube::Error::Api(s)) if s.code == 429 => {}
+            other => panic!("the budget refuses the eviction: {other:?}"),
+        }
+    };
+    proxy.clear_requests();
+    // The budget is computed asynchronously: evict until capo has held on one.
+    eventually("capo to hold on an eviction", Duration::from_secs(30), || async {
+        evict().await;
+        held().filter(|n| *n > 0.0)
+    })
+    .await;
+    assert_held(&client, CalicoApiGroup::CrdV1, &policy, "redis-0", &[ip], HoldTrigger::Eviction).await;
+    let before = held().unwrap_or(0.0);
+    evict().await;
+    assert!(held().unwrap_or(0.0) > before, "the repeated eviction was reviewed and answered held");
+    let calls = proxy.requests();
+    let count = |method: &Method, part: &str| {
+        calls.iter().filter(|(m, p)| m == method && p.contains(part) && !p.contains("watch=")).count()
+    };
+    assert_eq!(count(&Method::POST, "/reservedips"), 1, "one record created: {calls:?}");
+    assert_eq!(count(&Method::PATCH, "/ipreservations/"), 1, "one entry appended: {calls:?}");
+    assert_eq!(count(&Method::GET, "/ipreservations/"), 0, "the reservation never read back: {calls:?}");
+    drop(capo);
+}

@@ -7,7 +7,10 @@ mod records;
 pub mod rule;
 pub mod safety_net;
 
+use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use capo_api::reserved_ip::{PodRef, record_name};
 use capo_api::{HoldTrigger, ReservedIPSpec};
@@ -63,16 +66,37 @@ impl HoldError {
     }
 }
 
+/// How long a hold this replica made is checked, not written again, when the same Pod's
+/// deletion is reviewed once more.
+const RECENT_FOR: Duration = Duration::from_secs(5);
+/// How long such a check waits for the watched copy of the reservation to show this
+/// replica's own write.
+const RECHECK_WAIT: Duration = Duration::from_secs(1);
+
+/// A hold this replica made a moment ago.
+#[derive(Clone)]
+struct Recent {
+    shard: String,
+    record_uid: String,
+    at: Instant,
+}
+
 /// Writes holds into the active Calico API group.
 #[derive(Clone)]
 pub struct HoldWriter {
     reservations: Reservations,
     records: Records,
+    /// By Pod UID and IP. The API server reviews one deletion several times (and a
+    /// client may repeat it); each later review checks the hold — the entry in the
+    /// watched copy of its reservation, the record read now — instead of sending both
+    /// writes again (an append the server refuses as a duplicate, then a read of the
+    /// whole reservation; a create refused as existing, then a read).
+    recent: Arc<Mutex<HashMap<(String, IpAddr), Recent>>>,
 }
 
 impl HoldWriter {
     pub fn new(client: Client, reservations: Reservations) -> Self {
-        Self { reservations, records: Records::new(client) }
+        Self { reservations, records: Records::new(client), recent: Default::default() }
     }
 
     pub fn calico_api(&self) -> capo_api::CalicoApiGroup {
@@ -97,6 +121,7 @@ impl HoldWriter {
             created.extend(record);
         }
         if failures.is_empty() {
+            self.remember(&req.pod.uid, &held);
             return Ok(held);
         }
         // An entry that did get in stays; without a record it is adopted by the leader's
@@ -106,12 +131,64 @@ impl HoldWriter {
         Err(failures)
     }
 
-    /// One IP: its entry and its record, concurrently.
+    fn remember(&self, pod_uid: &str, held: &[Held]) {
+        if pod_uid.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut recent = self.recent.lock().expect("recent holds lock");
+        recent.retain(|_, r| now.duration_since(r.at) < RECENT_FOR);
+        for h in held {
+            let r = Recent { shard: h.reservation.clone(), record_uid: h.record.uid().to_string(), at: now };
+            recent.insert((pod_uid.to_string(), h.ip), r);
+        }
+    }
+
+    /// A hold of this Pod's `ip` this replica made a moment ago, if it is still there:
+    /// its entry in the watched copy of its reservation (which shows this replica's own
+    /// write within the watch's latency, waited for briefly, and any removal since) and
+    /// its record, read now. `None`: write it as usual.
+    async fn recheck(&self, req: &HoldRequest<'_>, ip: IpAddr) -> Option<Held> {
+        let key = (req.pod.uid.clone(), ip);
+        let recent = {
+            let recent = self.recent.lock().expect("recent holds lock");
+            recent.get(&key).filter(|r| r.at.elapsed() < RECENT_FOR).cloned()
+        }?;
+        let cidr = entry::canonical(ip);
+        let group = self.reservations.group();
+        let listed = || {
+            self.reservations
+                .index()
+                .shards_with(&cidr)
+                .iter()
+                .any(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy))
+        };
+        let waited = Instant::now();
+        while !listed() {
+            if waited.elapsed() >= RECHECK_WAIT {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let record = self.records.get(ip).await.ok()??;
+        let uid = record.metadata.uid.unwrap_or_default();
+        (uid == recent.record_uid && record.spec.pod.uid == req.pod.uid).then_some(Held {
+            ip,
+            reservation: recent.shard,
+            record: RecordOutcome::Kept { uid },
+        })
+    }
+
+    /// One IP: its entry and its record, concurrently (or, for a hold made a moment ago,
+    /// checked).
     async fn hold_ip(
         &self,
         req: &HoldRequest<'_>,
         ip: IpAddr,
     ) -> Result<Held, (Vec<HoldError>, Option<(IpAddr, String)>)> {
+        if let Some(held) = self.recheck(req, ip).await {
+            return Ok(held);
+        }
         let cidr = entry::canonical(ip);
         let foreseen = self.reservations.foresee(req.policy, req.shards, &cidr);
         let spec = ReservedIPSpec {

@@ -111,6 +111,11 @@ impl Records {
         Err(RecordError::Contention)
     }
 
+    /// The record of `ip`, read now.
+    pub async fn get(&self, ip: IpAddr) -> Result<Option<ReservedIP>, RecordError> {
+        self.api.get_opt(&record_name(ip)).await.map_err(classify)
+    }
+
     /// Points the record (exactly that one) at the shard its entry went to, when that is
     /// not the one foreseen.
     pub async fn moved(&self, ip: IpAddr, uid: &str, reservation: &str) -> Result<(), RecordError> {

@@ -149,8 +149,17 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     let extend_until =
         spec.manual.as_ref().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0);
 
+    // A hold made a moment ago whose Pod still looks kept: its deletion has most likely not
+    // reached this leader's Pod store yet. Looked at again once that had time to settle,
+    // instead of writing `podKeptSince` now and taking it back a moment later.
+    let just_held = plus(spec.reserved_at.0, settings.settle);
+    let mut recheck = None;
     // When it is due, and why; None: not counting down.
     let mut due: Option<(Timestamp, ReleaseReason)> = match state {
+        PodState::Kept if current.pod_kept_since.is_none() && now < just_held => {
+            recheck = Some(just_held);
+            None
+        }
         PodState::Kept => {
             let since = current.pod_kept_since.as_ref().map_or(now, |t| t.0);
             desired.pod_kept_since = Some(MicroTime(since));
@@ -198,7 +207,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
         match due {
             Some((at, reason)) if at <= now => Action::Release { reason, due: at },
             Some((at, _)) => Action::Wait(Some(at)),
-            None => Action::Wait(None),
+            None => Action::Wait(recheck),
         }
     };
     Decision { status: desired, action }
@@ -333,6 +342,19 @@ pub(crate) mod tests {
         recreated.uid = "someone-else".into();
         let d = decide(&facts(&r, Some(&recreated), Some(&p), 10.0), &PlanSettings::default());
         assert!(d.status.pod_gone_at.is_some());
+    }
+
+    #[test]
+    fn a_pod_that_looks_kept_a_moment_after_its_hold_is_looked_at_again_before_it_counts_as_kept() {
+        let p = policy("p", json!({}));
+        let r = record("10.0.0.1", "p", 0.0, None);
+        let running = pod_of(&r, false, "Running");
+        let s = PlanSettings::default();
+        let d = decide(&facts(&r, Some(&running), Some(&p), 1.0), &s);
+        assert_eq!(d.status, ReservedIPStatus::default(), "no status write while the deletion may be on its way");
+        assert_eq!(d.action, Action::Wait(Some(at(5.0))));
+        let d = decide(&facts(&r, Some(&running), Some(&p), 5.0), &s);
+        assert_eq!(d.status.pod_kept_since.as_ref().unwrap().0, at(5.0));
     }
 
     #[test]
