@@ -160,25 +160,7 @@ impl App {
             let index = index.clone();
             Arc::new(move || index.all().values().filter_map(|(_, v)| v.epoch).max().unwrap_or(0))
         };
-        // Every replica takes part in the election; only the leader releases and writes
-        // policy status.
-        let (election, fence) = match settings.release.as_ref().map(|r| &r.election) {
-            None => (None, None),
-            Some(Some(leader)) => {
-                let election = Election::start(leader_client.clone(), leader.clone(), floor).await?;
-                let fence = election.fence.clone();
-                (Some(election), Some(fence))
-            }
-            Some(None) => {
-                let synced = async {
-                    for g in &calico.served {
-                        index.synced(*g).await;
-                    }
-                };
-                let _ = tokio::time::timeout(settings.sync_timeout, synced).await;
-                (None, Some(Fence::always(floor() + 1)))
-            }
-        };
+        let (election, fence) = elect(&settings, &leader_client, &index, &calico.served, floor).await?;
         let (policy_changes, _) = tokio::sync::broadcast::channel(64);
         tasks.push(tokio::spawn(
             PolicyController::new(
@@ -193,55 +175,7 @@ impl App {
             .run(),
         ));
 
-        let serving = ServingCert::new(Some(metrics.tls.clone()));
-        let (trust, trusted) = tokio::sync::watch::channel(match settings.inject_ca_bundle {
-            Some(_) => Injected::Unknown,
-            None => Injected::NotInjecting,
-        });
-        if let Some(name) = &settings.inject_ca_bundle {
-            let metrics = Some(metrics.tls.clone());
-            tasks.push(tokio::spawn(certs::inject::run(
-                client.clone(),
-                name.clone(),
-                serving.bundle(),
-                trust,
-                metrics,
-            )));
-        }
-        let mut ca_pem = None;
-        let mut cert_watcher = None;
-        match &settings.tls {
-            TlsSource::Dir(dir) => {
-                certs::files::load(dir, &serving)?;
-                cert_watcher = Some(certs::files::watch(dir.clone(), serving.clone())?);
-            }
-            TlsSource::SelfSigned { hosts, write_to } => {
-                let made = certs::self_signed(hosts)?;
-                if let Some(dir) = write_to {
-                    made.write(dir)?;
-                }
-                serving.set("the generated certificate", &made.cert_pem, &made.key_pem)?;
-                serving.set_bundle(Some(&made.ca_pem));
-                ca_pem = Some(made.ca_pem);
-            }
-            TlsSource::Managed(managed) => {
-                let (first, outcome) = tokio::sync::oneshot::channel();
-                let metrics = Some(metrics.tls.clone());
-                let run =
-                    certs::managed::run(client.clone(), managed.clone(), serving.clone(), trusted, metrics, first);
-                tasks.push(tokio::spawn(run));
-                match tokio::time::timeout(settings.sync_timeout, outcome).await {
-                    Ok(Ok(Ok(()))) => {}
-                    Ok(Ok(Err(e))) => return Err(e.into()),
-                    _ => {
-                        return Err(AppError::NoCertificate {
-                            secret: format!("{}/{}", managed.namespace, managed.secret),
-                            after: settings.sync_timeout,
-                        });
-                    }
-                }
-            }
-        }
+        let (serving, ca_pem, cert_watcher) = serving_cert(&client, &settings, &metrics, &mut tasks).await?;
 
         let reservations = Reservations::new(client.clone(), calico_api, index.clone());
         let admission = Arc::new(Admission {
@@ -263,26 +197,7 @@ impl App {
         info!(addr = %webhook_addr, calico = %calico_api, "webhook serving");
 
         let probe_addr = match settings.probe_addr {
-            Some(addr) => {
-                let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| AppError::Bind {
-                    what: "the probe server",
-                    addr,
-                    source,
-                })?;
-                let bound = listener.local_addr().map_err(|source| AppError::Bind {
-                    what: "the probe server",
-                    addr,
-                    source,
-                })?;
-                let router = health::router(readiness.clone(), Some(metrics.clone()));
-                tasks.push(tokio::spawn(async move {
-                    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                        let _ = tcp.set_nodelay(true);
-                    });
-                    let _ = axum::serve(listener, router).await;
-                }));
-                Some(bound)
-            }
+            Some(addr) => Some(serve_probes(addr, &readiness, &metrics, &mut tasks).await?),
             None => None,
         };
 
@@ -295,7 +210,7 @@ impl App {
         info!("caches synced; ready");
 
         if let (Some(release), Some(fence)) = (&settings.release, &fence) {
-            let engine = Arc::new(ReleaseEngine {
+            let engine = ReleaseEngine {
                 client: leader_client.clone(),
                 reservations: Reservations::new(leader_client.clone(), calico_api, index.clone()),
                 served: watched.clone(),
@@ -306,28 +221,11 @@ impl App {
                 settings: release.engine.clone(),
                 metrics: metrics.clone(),
                 identity: release.identity.clone(),
-            });
-            tasks.push(tokio::spawn(lead(engine, fence.clone(), metrics.clone())));
+            };
+            tasks.push(tokio::spawn(lead(Arc::new(engine), fence.clone(), metrics.clone())));
         }
 
-        let mut registered = None;
-        if let Some(reg) = &settings.self_register {
-            // Without a CA of its own (self-managed or mounted certificates) the
-            // configuration is written without caBundle, and the injector fills it in.
-            let registration = Registration {
-                name: reg.name.clone(),
-                url: reg.url.clone().unwrap_or_else(|| format!("https://{webhook_addr}")),
-                ca_pem,
-                excluded_namespaces: settings.excluded_namespaces.clone(),
-                only_namespaces: reg.only_namespaces.clone(),
-                timeout_seconds: reg.timeout_seconds,
-            };
-            webhook_config::apply(&client, &registration)
-                .await
-                .map_err(|source| AppError::Register { name: reg.name.clone(), source })?;
-            info!(name = %reg.name, url = %registration.url, "registered the webhook configuration");
-            registered = Some(reg.name.clone());
-        }
+        let registered = register(&client, &settings, webhook_addr, ca_pem).await?;
         Ok(App {
             webhook_addr,
             probe_addr,
@@ -364,6 +262,133 @@ impl App {
             server.shutdown(Duration::from_secs(5)).await;
         }
     }
+}
+
+/// Takes part in the election (or, without one, leads once the reservations are read).
+async fn elect(
+    settings: &Settings,
+    leader_client: &Client,
+    index: &Arc<ReservationIndex>,
+    served: &[CalicoApiGroup],
+    floor: crate::leader::EpochFloor,
+) -> Result<(Option<Election>, Option<Fence>), AppError> {
+    // Every replica takes part in the election; only the leader releases and writes
+    // policy status.
+    Ok(match settings.release.as_ref().map(|r| &r.election) {
+        None => (None, None),
+        Some(Some(leader)) => {
+            let election = Election::start(leader_client.clone(), leader.clone(), floor).await?;
+            let fence = election.fence.clone();
+            (Some(election), Some(fence))
+        }
+        Some(None) => {
+            let synced = async {
+                for g in served {
+                    index.synced(*g).await;
+                }
+            };
+            let _ = tokio::time::timeout(settings.sync_timeout, synced).await;
+            (None, Some(Fence::always(floor() + 1)))
+        }
+    })
+}
+
+/// The webhook's serving certificate, from wherever `settings.tls` says; the CA to
+/// register (self-signed only) and the watcher that reloads mounted files.
+async fn serving_cert(
+    client: &Client,
+    settings: &Settings,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+) -> Result<(Arc<ServingCert>, Option<String>, Option<notify::RecommendedWatcher>), AppError> {
+    let serving = ServingCert::new(Some(metrics.tls.clone()));
+    let (trust, trusted) = tokio::sync::watch::channel(match settings.inject_ca_bundle {
+        Some(_) => Injected::Unknown,
+        None => Injected::NotInjecting,
+    });
+    if let Some(name) = &settings.inject_ca_bundle {
+        let metrics = Some(metrics.tls.clone());
+        tasks.push(tokio::spawn(certs::inject::run(client.clone(), name.clone(), serving.bundle(), trust, metrics)));
+    }
+    let mut ca_pem = None;
+    let mut cert_watcher = None;
+    match &settings.tls {
+        TlsSource::Dir(dir) => {
+            certs::files::load(dir, &serving)?;
+            cert_watcher = Some(certs::files::watch(dir.clone(), serving.clone())?);
+        }
+        TlsSource::SelfSigned { hosts, write_to } => {
+            let made = certs::self_signed(hosts)?;
+            if let Some(dir) = write_to {
+                made.write(dir)?;
+            }
+            serving.set("the generated certificate", &made.cert_pem, &made.key_pem)?;
+            serving.set_bundle(Some(&made.ca_pem));
+            ca_pem = Some(made.ca_pem);
+        }
+        TlsSource::Managed(managed) => {
+            let (first, outcome) = tokio::sync::oneshot::channel();
+            let metrics = Some(metrics.tls.clone());
+            let run = certs::managed::run(client.clone(), managed.clone(), serving.clone(), trusted, metrics, first);
+            tasks.push(tokio::spawn(run));
+            match tokio::time::timeout(settings.sync_timeout, outcome).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => return Err(e.into()),
+                _ => {
+                    return Err(AppError::NoCertificate {
+                        secret: format!("{}/{}", managed.namespace, managed.secret),
+                        after: settings.sync_timeout,
+                    });
+                }
+            }
+        }
+    }
+    Ok((serving, ca_pem, cert_watcher))
+}
+
+/// The probe and metrics server; returns the address it listens on.
+async fn serve_probes(
+    addr: SocketAddr,
+    readiness: &Arc<Readiness>,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+) -> Result<SocketAddr, AppError> {
+    let bind_error = |source| AppError::Bind { what: "the probe server", addr, source };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
+    let router = health::router(readiness.clone(), Some(metrics.clone()));
+    tasks.push(tokio::spawn(async move {
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let _ = axum::serve(listener, router).await;
+    }));
+    Ok(bound)
+}
+
+/// Writes the webhook configuration when self-registering; returns its name.
+async fn register(
+    client: &Client,
+    settings: &Settings,
+    webhook_addr: SocketAddr,
+    ca_pem: Option<String>,
+) -> Result<Option<String>, AppError> {
+    let Some(reg) = &settings.self_register else { return Ok(None) };
+    // Without a CA of its own (self-managed or mounted certificates) the configuration is
+    // written without caBundle, and the injector fills it in.
+    let registration = Registration {
+        name: reg.name.clone(),
+        url: reg.url.clone().unwrap_or_else(|| format!("https://{webhook_addr}")),
+        ca_pem,
+        excluded_namespaces: settings.excluded_namespaces.clone(),
+        only_namespaces: reg.only_namespaces.clone(),
+        timeout_seconds: reg.timeout_seconds,
+    };
+    webhook_config::apply(client, &registration)
+        .await
+        .map_err(|source| AppError::Register { name: reg.name.clone(), source })?;
+    info!(name = %reg.name, url = %registration.url, "registered the webhook configuration");
+    Ok(Some(reg.name.clone()))
 }
 
 /// Runs the release engine whenever this replica leads, and stops it the moment it does not.
