@@ -132,7 +132,8 @@ fn ownership(policy: Option<&str>) -> Vec<Value> {
 
 struct Waiter {
     cidr: String,
-    done: oneshot::Sender<Result<(), CalicoError>>,
+    /// Where the entry is in the list the write left, when the answer said.
+    done: oneshot::Sender<Result<Option<usize>, CalicoError>>,
 }
 
 #[derive(Default)]
@@ -206,13 +207,24 @@ impl Reservations {
     /// Holds `entry` for `policy`, whose cap gives it `count` shards; returns the shard
     /// that lists it once the API server has confirmed it there.
     pub async fn hold(&self, policy: &str, count: u32, entry: &str) -> Result<String, CalicoError> {
+        self.hold_placed(policy, count, entry).await.map(|(shard, _)| shard)
+    }
+
+    /// As [`Reservations::hold`], with the entry's index in the shard's list as the API
+    /// server confirmed it (when its answer said).
+    pub async fn hold_placed(
+        &self,
+        policy: &str,
+        count: u32,
+        entry: &str,
+    ) -> Result<(String, Option<usize>), CalicoError> {
         for (group, view) in self.index.shards_with(entry) {
             if group == self.group
                 && view.policy.as_deref() == Some(policy)
                 && let Some(at) = view.position(entry)
                 && self.confirm(&view.name, policy, at, entry).await?
             {
-                return Ok(view.name.clone());
+                return Ok((view.name.clone(), Some(at)));
             }
         }
         let mut tried = 0;
@@ -228,7 +240,7 @@ impl Reservations {
             }
             tried += 1;
             match self.add(&name, policy, entry).await {
-                Ok(()) => return Ok(name),
+                Ok(at) => return Ok((name, at)),
                 Err(e) if e.try_next_shard() => {
                     debug!(shard = %name, error = %e, "trying the next shard");
                     if !matches!(e, CalicoError::Full { .. }) {
@@ -243,7 +255,7 @@ impl Reservations {
 
     /// Whether `entry` is at `at` in shard `name` right now: a patch of tests only, which the
     /// API server answers without writing anything.
-    async fn confirm(&self, name: &str, policy: &str, at: usize, entry: &str) -> Result<bool, CalicoError> {
+    pub async fn confirm(&self, name: &str, policy: &str, at: usize, entry: &str) -> Result<bool, CalicoError> {
         let mut ops = ownership(Some(policy));
         ops.push(json!({ "op": "test", "path": format!("/spec/{RESERVED_CIDRS}/{at}"), "value": entry }));
         match self.api(self.group).patch(name, &PatchParams::default(), &json_patch(ops)).await {
@@ -255,7 +267,7 @@ impl Reservations {
 
     /// Adds `cidr` to shard `name` (created on first use), together with whatever other
     /// entries were queued for it meanwhile.
-    async fn add(&self, name: &str, policy: &str, cidr: &str) -> Result<(), CalicoError> {
+    async fn add(&self, name: &str, policy: &str, cidr: &str) -> Result<Option<usize>, CalicoError> {
         let (done, result) = oneshot::channel();
         let key = (self.group, name.to_string());
         let start_writer = {
@@ -317,20 +329,21 @@ impl Reservations {
                 }
                 for w in batch {
                     let r = each.get(&w.cidr).cloned().unwrap_or(Err(CalicoError::WriterGone));
-                    let _ = w.done.send(r);
+                    let _ = w.done.send(r.map(|list| list.iter().position(|e| *e == w.cidr)));
                 }
                 continue;
             }
             debug!(reservation = %key.1, entries = batch.len(), ok = result.is_ok(), "reservation batch written");
             for w in batch {
-                let _ = w.done.send(result.clone());
+                let _ = w.done.send(result.clone().map(|list| list.iter().position(|e| *e == w.cidr)));
             }
         }
     }
 
     /// Appends every entry in `cidrs` to shard `name` of `group`; with `fence`, as the
     /// leader (the shard's epoch is tested). The list is a set: entries the server rejects
-    /// as duplicates are dropped and the rest sent again.
+    /// as duplicates are dropped and the rest sent again. Returns the shard's list as the
+    /// last successful write left it (empty when no write was needed).
     async fn append(
         &self,
         group: CalicoApiGroup,
@@ -338,11 +351,11 @@ impl Reservations {
         policy: &str,
         fence: Option<&Fence>,
         mut cidrs: BTreeSet<String>,
-    ) -> Result<(), CalicoError> {
+    ) -> Result<Vec<String>, CalicoError> {
         let api = self.api(group);
         for attempt in 0..ATTEMPTS {
             if cidrs.is_empty() {
-                return Ok(());
+                return Ok(Vec::new());
             }
             let mut ops = ownership(Some(policy));
             if let Some(f) = fence {
@@ -353,14 +366,14 @@ impl Reservations {
                 cidrs.iter().map(|c| json!({ "op": "add", "path": format!("/spec/{RESERVED_CIDRS}/-"), "value": c })),
             );
             let err = match api.patch(name, &PatchParams::default(), &json_patch(ops)).await {
-                Ok(_) => return Ok(()),
+                Ok(written) => return Ok(ShardView::from_object(&written).entries),
                 Err(e) => e,
             };
             let Some(status) = status_of(&err) else { return Err(CalicoError::Api(Arc::new(err))) };
             match status.code {
                 404 if !is_type_not_served(status) => {
                     if self.create(group, name, policy, fence, &cidrs).await? {
-                        return Ok(());
+                        return Ok(cidrs.into_iter().collect());
                     }
                     continue; // created by somebody else meanwhile: append to theirs
                 }
@@ -608,7 +621,7 @@ impl Reservations {
         cidr: &str,
         fence: &Fence,
     ) -> Result<(), CalicoError> {
-        self.append(group, name, policy, Some(fence), BTreeSet::from([cidr.to_string()])).await
+        self.append(group, name, policy, Some(fence), BTreeSet::from([cidr.to_string()])).await.map(|_| ())
     }
 }
 

@@ -38,6 +38,8 @@ pub struct HoldRequest<'a> {
 pub struct Held {
     pub ip: IpAddr,
     pub reservation: String,
+    /// The entry's index in the reservation's list, as the API server last confirmed it.
+    pub entry_at: Option<usize>,
     pub record: RecordOutcome,
 }
 
@@ -69,16 +71,14 @@ impl HoldError {
 /// How long a hold this replica made is checked, not written again, when the same Pod's
 /// deletion is reviewed once more.
 const RECENT_FOR: Duration = Duration::from_secs(5);
-/// How long such a check waits for the watched copy of the reservation to show this
-/// replica's own write.
-const RECHECK_WAIT: Duration = Duration::from_secs(1);
-
 /// A hold this replica made a moment ago.
 #[derive(Clone)]
 struct Recent {
     shard: String,
+    /// Where the API server's answer put the entry.
+    entry_at: Option<usize>,
     record_uid: String,
-    at: Instant,
+    made: Instant,
 }
 
 /// Writes holds into the active Calico API group.
@@ -90,7 +90,9 @@ pub struct HoldWriter {
     /// client may repeat it); each later review checks the hold — the entry in the
     /// watched copy of its reservation, the record read now — instead of sending both
     /// writes again (an append the server refuses as a duplicate, then a read of the
-    /// whole reservation; a create refused as existing, then a read).
+    /// whole reservation; a create refused as existing, then a read): the entry in the
+    /// watched copy of its reservation or, while that copy lags, a patch of one test at
+    /// the index the write's answer gave; the record read now.
     recent: Arc<Mutex<HashMap<(String, IpAddr), Recent>>>,
 }
 
@@ -137,44 +139,52 @@ impl HoldWriter {
         }
         let now = Instant::now();
         let mut recent = self.recent.lock().expect("recent holds lock");
-        recent.retain(|_, r| now.duration_since(r.at) < RECENT_FOR);
+        recent.retain(|_, r| now.duration_since(r.made) < RECENT_FOR);
         for h in held {
-            let r = Recent { shard: h.reservation.clone(), record_uid: h.record.uid().to_string(), at: now };
+            let r = Recent {
+                shard: h.reservation.clone(),
+                entry_at: h.entry_at,
+                record_uid: h.record.uid().to_string(),
+                made: now,
+            };
             recent.insert((pod_uid.to_string(), h.ip), r);
         }
     }
 
     /// A hold of this Pod's `ip` this replica made a moment ago, if it is still there:
-    /// its entry in the watched copy of its reservation (which shows this replica's own
-    /// write within the watch's latency, waited for briefly, and any removal since) and
-    /// its record, read now. `None`: write it as usual.
+    /// its entry — in the watched copy of its reservation (which shows any removal since
+    /// within the watch's latency) or, while that copy has not caught up with this
+    /// replica's own write, confirmed by a patch of one test at the index the write's
+    /// answer gave (the server writes nothing) — and its record, read now. `None`: write
+    /// it as usual.
     async fn recheck(&self, req: &HoldRequest<'_>, ip: IpAddr) -> Option<Held> {
         let key = (req.pod.uid.clone(), ip);
         let recent = {
             let recent = self.recent.lock().expect("recent holds lock");
-            recent.get(&key).filter(|r| r.at.elapsed() < RECENT_FOR).cloned()
+            recent.get(&key).filter(|r| r.made.elapsed() < RECENT_FOR).cloned()
         }?;
         let cidr = entry::canonical(ip);
         let group = self.reservations.group();
-        let listed = || {
-            self.reservations
-                .index()
-                .shards_with(&cidr)
-                .iter()
-                .any(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy))
+        let listed = self
+            .reservations
+            .index()
+            .shards_with(&cidr)
+            .iter()
+            .any(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy));
+        let confirmed = match recent.entry_at {
+            _ if listed => true,
+            Some(at) => self.reservations.confirm(&recent.shard, req.policy, at, &cidr).await.ok()?,
+            None => false,
         };
-        let waited = Instant::now();
-        while !listed() {
-            if waited.elapsed() >= RECHECK_WAIT {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        if !confirmed {
+            return None;
         }
         let record = self.records.get(ip).await.ok()??;
         let uid = record.metadata.uid.unwrap_or_default();
         (uid == recent.record_uid && record.spec.pod.uid == req.pod.uid).then_some(Held {
             ip,
             reservation: recent.shard,
+            entry_at: recent.entry_at,
             record: RecordOutcome::Kept { uid },
         })
     }
@@ -214,10 +224,10 @@ impl HoldWriter {
             manual: None,
         };
         let (entry, record) =
-            tokio::join!(self.reservations.hold(req.policy, req.shards, &cidr), self.records.record(ip, spec));
+            tokio::join!(self.reservations.hold_placed(req.policy, req.shards, &cidr), self.records.record(ip, spec));
         let mut errors = Vec::new();
         let shard = match entry {
-            Ok(shard) => Some(shard),
+            Ok(placed) => Some(placed),
             Err(source) => {
                 errors.push(HoldError::Reservation { cidr: cidr.clone(), source });
                 None
@@ -231,7 +241,7 @@ impl HoldWriter {
             }
         };
         match (shard, outcome) {
-            (Some(shard), Some(outcome)) => {
+            (Some((shard, entry_at)), Some(outcome)) => {
                 if shard != foreseen
                     && !matches!(outcome, RecordOutcome::Kept { .. })
                     && let Err(source) = self.records.moved(ip, outcome.uid(), &shard).await
@@ -239,7 +249,7 @@ impl HoldWriter {
                     let created = Some((ip, outcome.uid().to_string()));
                     return Err((vec![HoldError::Record { record: record_name(ip), ip, source }], created));
                 }
-                Ok(Held { ip, reservation: shard, record: outcome })
+                Ok(Held { ip, reservation: shard, entry_at, record: outcome })
             }
             (_, outcome) => {
                 let created =
