@@ -91,6 +91,15 @@ async fn the_chart_application_syncs_in_waves_and_stays_synced_with_capo_running
 
 async fn installs_in_waves_and_stays_synced(argo: &Argo, app_file: &str) {
     let admin = client().await;
+    // The policies' creation times are compared with the webhook's below: none may be
+    // left over from an earlier test of this binary.
+    let capo_policies = Api::<CapoPolicy>::all(admin.clone());
+    if capo_policies.delete("statefulsets", &DeleteParams::default()).await.is_ok() {
+        eventually("a leftover CapoPolicy statefulsets gone", Duration::from_secs(30), || async {
+            capo_policies.get_opt("statefulsets").await.ok()?.is_none().then_some(())
+        })
+        .await;
+    }
     no_capo_install(argo, &admin).await;
     install_calico_crds(&admin).await;
     let repo = GitRepo::with_capo_layout(app_file.trim_start_matches("argocd/").trim_end_matches(".yaml"));
@@ -120,7 +129,12 @@ async fn installs_in_waves_and_stays_synced(argo: &Argo, app_file: &str) {
     let status = argo.wait_synced_healthy(&policies, None, SYNC_LIMIT).await;
     assert_eq!(resource_health(&status, "CapoPolicy", "statefulsets").0, "Healthy", "{status:#}");
     let policy = Api::<CapoPolicy>::all(admin.clone()).get("statefulsets").await.unwrap();
-    assert!(created(&policy) > webhook_created, "the policies come after the webhook (wave 1 after wave 0)");
+    // Creation times have a resolution of one second.
+    assert!(
+        created(&policy) >= webhook_created,
+        "the policies come after the webhook (wave 1 after wave 0): policy {}, webhook {webhook_created}",
+        created(&policy)
+    );
     let webhooks = Api::<ValidatingWebhookConfiguration>::all(admin.clone()).get("capo").await.unwrap();
     assert!(
         webhooks.webhooks.unwrap().iter().all(|w| w.client_config.ca_bundle.as_ref().is_some_and(|b| !b.0.is_empty())),
