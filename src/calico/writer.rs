@@ -335,7 +335,11 @@ impl Reservations {
             }
             debug!(reservation = %key.1, entries = batch.len(), ok = result.is_ok(), "reservation batch written");
             for w in batch {
-                let _ = w.done.send(result.clone().map(|list| list.iter().position(|e| *e == w.cidr)));
+                let at = match &result {
+                    Ok(list) => Ok(list.iter().position(|e| *e == w.cidr)),
+                    Err(e) => Err(e.clone()),
+                };
+                let _ = w.done.send(at);
             }
         }
     }

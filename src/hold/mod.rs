@@ -87,12 +87,9 @@ pub struct HoldWriter {
     reservations: Reservations,
     records: Records,
     /// By Pod UID and IP. The API server reviews one deletion several times (and a
-    /// client may repeat it); each later review checks the hold — the entry in the
-    /// watched copy of its reservation, the record read now — instead of sending both
+    /// client may repeat it); each later review confirms the hold instead of sending both
     /// writes again (an append the server refuses as a duplicate, then a read of the
-    /// whole reservation; a create refused as existing, then a read): the entry in the
-    /// watched copy of its reservation or, while that copy lags, a patch of one test at
-    /// the index the write's answer gave; the record read now.
+    /// whole reservation; a create refused as existing, then a read).
     recent: Arc<Mutex<HashMap<(String, IpAddr), Recent>>>,
 }
 
@@ -151,12 +148,11 @@ impl HoldWriter {
         }
     }
 
-    /// A hold of this Pod's `ip` this replica made a moment ago, if it is still there:
-    /// its entry — in the watched copy of its reservation (which shows any removal since
-    /// within the watch's latency) or, while that copy has not caught up with this
-    /// replica's own write, confirmed by a patch of one test at the index the write's
-    /// answer gave (the server writes nothing) — and its record, read now. `None`: write
-    /// it as usual.
+    /// A hold of this Pod's `ip` this replica made a moment ago, if the API server confirms
+    /// it is still there: its entry by a patch of one test (the server writes nothing) at
+    /// its index — from the watched copy of the reservation, or, while that copy has not
+    /// caught up with this replica's own write, from the write's answer — and its record,
+    /// read. `None`: write it as usual.
     async fn recheck(&self, req: &HoldRequest<'_>, ip: IpAddr) -> Option<Held> {
         let key = (req.pod.uid.clone(), ip);
         let recent = {
@@ -165,18 +161,15 @@ impl HoldWriter {
         }?;
         let cidr = entry::canonical(ip);
         let group = self.reservations.group();
-        let listed = self
+        let listed_at = self
             .reservations
             .index()
             .shards_with(&cidr)
             .iter()
-            .any(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy));
-        let confirmed = match recent.entry_at {
-            _ if listed => true,
-            Some(at) => self.reservations.confirm(&recent.shard, req.policy, at, &cidr).await.ok()?,
-            None => false,
-        };
-        if !confirmed {
+            .find(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy))
+            .and_then(|(_, v)| v.position(&cidr));
+        let at = listed_at.or(recent.entry_at)?;
+        if !self.reservations.confirm(&recent.shard, req.policy, at, &cidr).await.ok()? {
             return None;
         }
         let record = self.records.get(ip).await.ok()??;
@@ -184,7 +177,7 @@ impl HoldWriter {
         (uid == recent.record_uid && record.spec.pod.uid == req.pod.uid).then_some(Held {
             ip,
             reservation: recent.shard,
-            entry_at: recent.entry_at,
+            entry_at: Some(at),
             record: RecordOutcome::Kept { uid },
         })
     }
