@@ -215,6 +215,14 @@ pub struct Args {
     #[arg(long, env = "CAPO_RELEASE_WORKERS", default_value_t = 8)]
     pub workers: usize,
 
+    /// The most of a Calico IP pool's unallocated addresses capo's holds may take, all
+    /// policies together, in percent (1–100); past it the oldest holds in that pool are
+    /// released first. 50: a new Pod always finds at least as many free addresses as capo
+    /// holds. A policy's `maxPoolShare` bounds that policy alone.
+    #[arg(long, env = "CAPO_MAX_POOL_SHARE", default_value_t = crate::release::controller::DEFAULT_MAX_POOL_SHARE,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub max_pool_share: u32,
+
     /// How long a record without its reservation entry (or an entry without a record)
     /// must stay so before the leader repairs it.
     #[arg(long, env = "CAPO_REPAIR_SETTLE", default_value = "5s")]
@@ -364,6 +372,7 @@ impl Args {
                 policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),
                 excluded_namespaces: excluded.to_vec(),
                 workers: self.workers.max(1),
+                max_pool_share: self.max_pool_share,
             },
         })
     }

@@ -141,6 +141,57 @@ pub struct ReleaseMetrics {
     pub safety_net_holds: IntCounterVec,
     /// Pods the safety net saw too late: their IP was already another Pod's.
     pub safety_net_lost_races: IntCounterVec,
+    /// Per Calico IP pool (set by the leader's pool guard).
+    pub pools: PoolMetrics,
+}
+
+/// What the pool guard sees of each Calico IP pool.
+pub struct PoolMetrics {
+    /// Addresses in the pool's CIDR.
+    pub addresses: prometheus::GaugeVec,
+    /// Addresses a new Pod could get now: neither allocated by Calico's IPAM nor held by capo.
+    pub free: prometheus::GaugeVec,
+    /// Addresses of the pool capo holds (their Pods gone, so IPAM has them unallocated).
+    pub held: prometheus::GaugeVec,
+    /// capo's holds as a share (0–1) of the pool's unallocated addresses.
+    pub held_ratio: prometheus::GaugeVec,
+}
+
+impl PoolMetrics {
+    fn new(registry: &Registry) -> Self {
+        let gauge = |name: &str, help: &str| {
+            let g = prometheus::GaugeVec::new(Opts::new(name, help), &["pool"]).expect("static metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        Self {
+            addresses: gauge("pool_addresses", "Addresses in the Calico IP pool's CIDR."),
+            free: gauge(
+                "pool_free_addresses",
+                "Addresses of the pool a new Pod could get: not allocated by Calico's IPAM, not held by capo.",
+            ),
+            held: gauge("pool_held_ips", "Addresses of the pool capo holds."),
+            held_ratio: gauge(
+                "pool_held_ratio",
+                "capo's holds as a share (0-1) of the pool's addresses Calico's IPAM has not allocated.",
+            ),
+        }
+    }
+
+    pub fn set(&self, pool: &str, addresses: u128, free: u128, held: usize) {
+        self.addresses.with_label_values(&[pool]).set(addresses as f64);
+        self.free.with_label_values(&[pool]).set(free as f64);
+        self.held.with_label_values(&[pool]).set(held as f64);
+        let unused = free + held as u128;
+        let ratio = if unused == 0 { 0.0 } else { held as f64 / unused as f64 };
+        self.held_ratio.with_label_values(&[pool]).set(ratio);
+    }
+
+    pub fn forget(&self, pool: &str) {
+        for g in [&self.addresses, &self.free, &self.held, &self.held_ratio] {
+            let _ = g.remove_label_values(&[pool]);
+        }
+    }
 }
 
 impl ReleaseMetrics {
@@ -212,6 +263,7 @@ impl ReleaseMetrics {
                 "Pods the safety net saw after their IP was already another Pod's.",
                 &["policy"],
             ),
+            pools: PoolMetrics::new(registry),
         }
     }
 }

@@ -137,7 +137,7 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
         .await
         .map_err(|e| OpsError::api("listing CapoPolicies", e))?
         .items;
-    let records = Api::<ReservedIP>::all(client)
+    let records = Api::<ReservedIP>::all(client.clone())
         .list(&ListParams::default())
         .await
         .map_err(|e| OpsError::api("listing ReservedIPs", e))?
@@ -146,6 +146,11 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
     for r in &records {
         *holds.entry(r.spec.policy.as_str()).or_default() += 1;
     }
+    // The pool column is extra: a user who may not list Calico's pools still gets the rest.
+    let shares = pool_shares(&client, &records).await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "no POOL-SHARE column");
+        BTreeMap::new()
+    });
     let state = |p: &CapoPolicy| {
         let cond = p.status.as_ref().and_then(|s| s.condition("Ready"));
         match cond {
@@ -161,12 +166,24 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
                 let (st, reason) = state(p);
                 json!({ "name": p.name_any(), "state": st, "reason": reason,
                         "holds": holds.get(p.name_any().as_str()).copied().unwrap_or(0),
-                        "maxReserved": p.spec.max_reserved, "reserveFor": p.spec.reserve_for })
+                        "maxReserved": p.spec.max_reserved, "reserveFor": p.spec.reserve_for,
+                        "maxPoolShare": p.spec.max_pool_share,
+                        "pools": shares.get(p.name_any().as_str()).cloned().unwrap_or_default().iter()
+                            .map(|s| json!({ "pool": s.pool, "held": s.held, "unallocated": s.unused as u64 }))
+                            .collect::<Vec<_>>() })
             })
             .collect();
         return Ok(serde_json::to_string_pretty(&rows).expect("JSON") + "\n");
     }
-    let mut rows = vec![["NAME", "STATE", "REASON", "HOLDS", "CAP", "RESERVE-FOR"].map(String::from).to_vec()];
+    let mut rows = vec![
+        ["NAME", "STATE", "REASON", "HOLDS", "CAP", "RESERVE-FOR", "MAX-POOL-SHARE", "POOL-SHARE"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    let pool_column = |policy: &str| {
+        let list = shares.get(policy).map(|l| l.iter().map(PoolShare::to_string).collect::<Vec<_>>());
+        list.filter(|l| !l.is_empty()).map_or_else(|| "-".to_string(), |l| l.join(","))
+    };
     for p in &policies {
         let (st, reason) = state(p);
         let name = p.name_any();
@@ -177,14 +194,58 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
             holds.get(name.as_str()).copied().unwrap_or(0).to_string(),
             p.spec.max_reserved.to_string(),
             p.spec.reserve_for.clone(),
+            p.spec.max_pool_share.map_or_else(|| "global".to_string(), |s| format!("{s}%")),
+            pool_column(&name),
         ]);
     }
     for (policy, n) in &holds {
         if !policies.iter().any(|p| p.name_any() == *policy) {
-            rows.push(vec![policy.to_string(), "Deleted".into(), String::new(), n.to_string(), "-".into(), "-".into()]);
+            let mut row = vec![policy.to_string(), "Deleted".into(), String::new(), n.to_string()];
+            row.extend(["-".into(), "-".into(), "-".into(), pool_column(policy)]);
+            rows.push(row);
         }
     }
     Ok(table(&rows))
+}
+
+/// A policy's holds in one Calico IP pool, against the addresses IPAM has not allocated.
+#[derive(Clone, Debug)]
+struct PoolShare {
+    pool: String,
+    held: usize,
+    unused: u128,
+}
+
+impl std::fmt::Display for PoolShare {
+    /// `small 25% (7/28)`: 7 held of the pool's 28 unallocated addresses.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pct = if self.unused == 0 { 0 } else { (self.held as u128 * 100).div_ceil(self.unused) };
+        write!(f, "{} {pct}% ({}/{})", self.pool, self.held, self.unused)
+    }
+}
+
+/// Each policy's holds per Calico IP pool (nothing when Calico's IPAM blocks are not served
+/// here), counted as the leader's pool guard counts them.
+async fn pool_shares(client: &Client, records: &[ReservedIP]) -> Result<BTreeMap<String, Vec<PoolShare>>, OpsError> {
+    let Some(api_version) = crate::calico::pools::detect_ipam_api(client).await else { return Ok(BTreeMap::new()) };
+    let store = crate::calico::pools::PoolStore::list(client, &api_version)
+        .await
+        .map_err(|e| OpsError::api(format!("listing Calico's IP pools and IPAM blocks ({api_version})"), e))?;
+    let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for r in records {
+        let Some(ip) = crate::calico::entry::single_ip(&r.spec.cidr) else { continue };
+        if let Some(pool) = store.pool_of(ip)
+            && !store.is_allocated(ip)
+        {
+            *counts.entry((r.spec.policy.clone(), pool.name)).or_default() += 1;
+        }
+    }
+    let mut out: BTreeMap<String, Vec<PoolShare>> = BTreeMap::new();
+    for ((policy, pool), held) in counts {
+        let unused = store.usage(&pool).map(|u| u.unused()).unwrap_or(0);
+        out.entry(policy).or_default().push(PoolShare { pool, held, unused });
+    }
+    Ok(out)
 }
 
 fn table(rows: &[Vec<String>]) -> String {

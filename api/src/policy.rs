@@ -78,6 +78,16 @@ pub struct CapoPolicySpec {
     #[schemars(range(min = 1, max = 100000))]
     pub max_reserved_per_namespace: Option<u32>,
 
+    /// The most of an IP pool's unused addresses this policy may hold, in percent: of the
+    /// addresses of a Calico IPPool that no Pod uses (the pool's size minus what Calico's
+    /// IPAM has allocated), this policy's holds take at most this share; past it, its
+    /// oldest holds in that pool are released first, at the policy's pace. Deletions are
+    /// never refused for it. capo's `--max-pool-share` bounds all policies together.
+    /// Absent: only that global bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_pool_share: Option<u32>,
+
     /// The least time between two releases of this policy's IPs (release pacing).
     #[serde(default = "default_release_interval")]
     #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]

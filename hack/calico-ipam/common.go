@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -233,10 +234,18 @@ func (f families) counts() (int, int) {
 // autoAssign is what calico-ipam does on CNI ADD: one address per family for the
 // handle, on the host, for a workload.
 func (c *calico) autoAssign(ctx context.Context, host, handle string, fam families, attrs map[string]string) ([]cnet.IPNet, error) {
+	return c.autoAssignIn(ctx, host, handle, fam, attrs, nil, nil)
+}
+
+// autoAssignIn is autoAssign from the requested pools (as the CNI plugin passes a Pod's
+// cni.projectcalico.org/ipv4pools and ipv6pools; empty: the pools selecting the node).
+func (c *calico) autoAssignIn(ctx context.Context, host, handle string, fam families, attrs map[string]string, v4Pools, v6Pools []cnet.IPNet) ([]cnet.IPNet, error) {
 	n4, n6 := fam.counts()
 	v4, v6, err := c.client.IPAM().AutoAssign(ctx, ipam.AutoAssignArgs{
 		Num4:        n4,
 		Num6:        n6,
+		IPv4Pools:   v4Pools,
+		IPv6Pools:   v6Pools,
 		HandleID:    &handle,
 		Attrs:       attrs,
 		Hostname:    host,
@@ -262,6 +271,35 @@ func (c *calico) autoAssign(ctx context.Context, host, handle string, fam famili
 		return nil, fmt.Errorf("AutoAssign %s for handle %s on %s: %w", fam, handle, host, err)
 	}
 	return ips, nil
+}
+
+// requestedPools resolves a Pod's cni.projectcalico.org/ipv4pools or ipv6pools annotation
+// (a JSON list of pool names or CIDRs) to CIDRs, as the CNI plugin does.
+func (c *calico) requestedPools(ctx context.Context, annotation string) ([]cnet.IPNet, error) {
+	if annotation == "" {
+		return nil, nil
+	}
+	var names []string
+	if err := json.Unmarshal([]byte(annotation), &names); err != nil {
+		return nil, fmt.Errorf("pool annotation %q: %w", annotation, err)
+	}
+	var out []cnet.IPNet
+	for _, name := range names {
+		if _, n, err := cnet.ParseCIDR(name); err == nil {
+			out = append(out, *n)
+			continue
+		}
+		pool, err := c.client.IPPools().Get(ctx, name, options.GetOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("pool %q of the annotation: %w", name, err)
+		}
+		_, n, err := cnet.ParseCIDR(pool.Spec.CIDR)
+		if err != nil {
+			return nil, fmt.Errorf("pool %q: %w", name, err)
+		}
+		out = append(out, *n)
+	}
+	return out, nil
 }
 
 // releaseHandle is what calico-ipam does on CNI DEL; an unknown handle is not an error.

@@ -47,6 +47,9 @@ const (
 	annotationHost = "capo-test/ipam-host"
 	// annotationFamilies picks the Pod's IP families: v4, v6 or v4,v6.
 	annotationFamilies = "capo-test/ip-families"
+	// annotationIPv4Pools and annotationIPv6Pools pick a Pod's pools, as with Calico's CNI plugin.
+	annotationIPv4Pools = "cni.projectcalico.org/ipv4pools"
+	annotationIPv6Pools = "cni.projectcalico.org/ipv6pools"
 	// kwokAnnotation marks the Nodes kwok manages (hack/testenv/src/nodes.rs).
 	kwokAnnotation = "kwok.x-k8s.io/node"
 )
@@ -278,7 +281,15 @@ func (d *driver) assign(ctx context.Context, pod *corev1.Pod, host, handle strin
 			ipam.AttributePod:       pod.Name,
 			ipam.AttributeTimestamp: time.Now().UTC().Format(time.RFC3339),
 		}
-		assigned, err := d.cal.autoAssign(ctx, host, handle, fam, attrs)
+		v4Pools, err := d.cal.requestedPools(ctx, pod.Annotations[annotationIPv4Pools])
+		if err != nil {
+			return err
+		}
+		v6Pools, err := d.cal.requestedPools(ctx, pod.Annotations[annotationIPv6Pools])
+		if err != nil {
+			return err
+		}
+		assigned, err := d.cal.autoAssignIn(ctx, host, handle, fam, attrs, v4Pools, v6Pools)
 		if err != nil {
 			return err
 		}

@@ -7,6 +7,7 @@
 mod detect;
 pub mod entry;
 pub mod index;
+pub mod pools;
 pub mod shards;
 mod writer;
 

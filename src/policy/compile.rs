@@ -18,6 +18,8 @@ pub struct CompiledPolicy {
     pub max_reserved: u32,
     /// The most holds for the Pods of one namespace (`maxReservedPerNamespace`).
     pub max_reserved_per_namespace: Option<u32>,
+    /// The most of a pool's unused addresses this policy holds, in percent (`maxPoolShare`).
+    pub max_pool_share: Option<u32>,
     pub release_interval: Duration,
     pub priority: i32,
     pub on_hold_failure: HoldFailureAction,
@@ -123,6 +125,7 @@ impl CompiledPolicy {
             reserve_for,
             max_reserved: spec.max_reserved,
             max_reserved_per_namespace: spec.max_reserved_per_namespace,
+            max_pool_share: spec.max_pool_share.map(|s| s.clamp(1, 100)),
             release_interval,
             priority: spec.priority,
             on_hold_failure: spec.on_hold_failure,

@@ -1,7 +1,9 @@
-//! Which holds a policy's cap releases: past `maxReservedPerNamespace`, that namespace's
-//! oldest; then past `maxReserved`, the policy's oldest. "Oldest" is by the API server's
-//! clock — the record's `creationTimestamp` (seconds) — and only within one second by
-//! `reservedAt` (the writing replica's clock), then by name.
+//! Which holds a bound releases. A policy's cap: past `maxReservedPerNamespace`, that
+//! namespace's oldest; then past `maxReserved`, the policy's oldest. The pool guard, per
+//! IP pool: past a policy's `maxPoolShare` of the pool's unused addresses, that policy's
+//! oldest in the pool; then past `--max-pool-share`, the oldest of all in the pool.
+//! "Oldest" is by the API server's clock — the record's `creationTimestamp` (seconds) —
+//! and only within one second by `reservedAt` (the writing replica's clock), then by name.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -11,7 +13,8 @@ use k8s_openapi::jiff::Timestamp;
 #[derive(Clone, Debug)]
 pub struct Counted<'a> {
     pub name: &'a str,
-    pub namespace: &'a str,
+    /// What a share is counted by: the namespace for the cap, the policy for the pool guard.
+    pub group: &'a str,
     /// The record's `creationTimestamp`.
     pub created: Timestamp,
     pub reserved_at: Timestamp,
@@ -21,16 +24,38 @@ fn age_order(a: &Counted<'_>, b: &Counted<'_>) -> std::cmp::Ordering {
     (a.created, a.reserved_at, a.name).cmp(&(b.created, b.reserved_at, b.name))
 }
 
-/// The names of the holds to release, oldest first.
-pub fn over_cap(max: usize, per_namespace: Option<usize>, mut holds: Vec<Counted<'_>>) -> Vec<String> {
+/// The names of the holds to release, oldest first: past `maxReservedPerNamespace`
+/// (`per_namespace`), a namespace's oldest; then past `max`, the oldest of the rest.
+pub fn over_cap(max: usize, per_namespace: Option<usize>, holds: Vec<Counted<'_>>) -> Vec<String> {
+    over(max, |_| per_namespace, holds)
+}
+
+/// The share `percent` of `unused` addresses, in holds (rounded down).
+fn share_of(unused: u128, percent: u32) -> usize {
+    usize::try_from(unused.saturating_mul(u128::from(percent.min(100))) / 100).unwrap_or(usize::MAX)
+}
+
+/// The holds in one pool to release, oldest first: a policy's past its `maxPoolShare`
+/// (`policy_percent`) of the pool's `unused` addresses, then all past `global_percent`.
+/// Holds are grouped by policy.
+pub fn over_pool_share(
+    unused: u128,
+    global_percent: u32,
+    policy_percent: impl Fn(&str) -> Option<u32>,
+    holds: Vec<Counted<'_>>,
+) -> Vec<String> {
+    over(share_of(unused, global_percent), |p| policy_percent(p).map(|pc| share_of(unused, pc)), holds)
+}
+
+fn over<'a>(max: usize, per_group: impl Fn(&str) -> Option<usize>, mut holds: Vec<Counted<'a>>) -> Vec<String> {
     holds.sort_by(age_order);
     let mut out: Vec<&Counted<'_>> = Vec::new();
-    if let Some(share) = per_namespace {
-        let mut by_ns: BTreeMap<&str, Vec<&Counted<'_>>> = BTreeMap::new();
-        for h in &holds {
-            by_ns.entry(h.namespace).or_default().push(h);
-        }
-        for list in by_ns.values() {
+    let mut by_group: BTreeMap<&str, Vec<&Counted<'_>>> = BTreeMap::new();
+    for h in &holds {
+        by_group.entry(h.group).or_default().push(h);
+    }
+    for (group, list) in &by_group {
+        if let Some(share) = per_group(group) {
             out.extend(list.iter().take(list.len().saturating_sub(share)));
         }
     }
@@ -52,7 +77,7 @@ mod tests {
     }
 
     fn hold<'a>(name: &'a str, ns: &'a str, created: i64, reserved: i64) -> Counted<'a> {
-        Counted { name, namespace: ns, created: t(created, 0), reserved_at: t(0, reserved) }
+        Counted { name, group: ns, created: t(created, 0), reserved_at: t(0, reserved) }
     }
 
     #[test]
@@ -78,6 +103,29 @@ mod tests {
             over_cap(1, Some(2), holds),
             ["team-a-1", "team-b-1", "team-b-2", "team-b-3"].map(String::from).to_vec()
         );
+    }
+
+    #[test]
+    fn a_pool_share_counts_each_policy_then_all_of_them() {
+        let holds = vec![
+            hold("a-1", "a", 0, 0),
+            hold("b-1", "b", 1, 0),
+            hold("a-2", "a", 2, 0),
+            hold("b-2", "b", 3, 0),
+            hold("a-3", "a", 4, 0),
+            hold("b-3", "b", 5, 0),
+        ];
+        // 20 unused addresses: the global 50% allows 10, nothing goes.
+        assert!(over_pool_share(20, 50, |_| None, holds.clone()).is_empty());
+        // a may hold 10% = 2: its oldest goes; the global bound still allows the rest.
+        assert_eq!(over_pool_share(20, 50, |p| (p == "a").then_some(10), holds.clone()), vec!["a-1".to_string()]);
+        // 9 unused addresses, global 50% = 4 (rounded down): the two oldest of all go.
+        assert_eq!(over_pool_share(9, 50, |_| None, holds.clone()), vec!["a-1".to_string(), "b-1".to_string()]);
+        // No unused address at all: everything goes (held addresses count as unused, so
+        // this only happens when nothing is held; the rule still has an answer).
+        assert_eq!(over_pool_share(0, 50, |_| None, holds).len(), 6);
+        // 100% never releases anything the pool could not hold.
+        assert!(over_pool_share(6, 100, |_| Some(100), vec![hold("x", "a", 0, 0)]).is_empty());
     }
 
     #[test]

@@ -30,6 +30,7 @@ use super::pacer::{Leaving, Pacer, Taken};
 use super::queue::WorkQueue;
 use super::writes::{RecordFate, RecordWrites, ReleaseError};
 use super::{cap, repair};
+use crate::calico::pools::{PoolStore, detect_ipam_api};
 use crate::calico::{IndexEvent, ReservationIndex, Reservations, entry};
 use crate::hold::safety_net::SafetyNet;
 use crate::hold::{HoldWriter, marks};
@@ -41,6 +42,15 @@ use crate::store::records::RecordEvent;
 use crate::store::workloads::Owner;
 use crate::store::{NamespaceStore, PodStore, RecordIndex, WorkloadStore};
 
+/// The default of `--max-pool-share`: capo's holds may take at most half of a pool's
+/// unallocated addresses, so a new Pod always finds at least as many free addresses as
+/// capo holds (docs/calico.md).
+pub const DEFAULT_MAX_POOL_SHARE: u32 = 50;
+
+/// How long pool changes are gathered before the pool guard looks (every Pod start and
+/// stop in the cluster changes an IPAM block).
+const POOL_SETTLE: Duration = Duration::from_secs(1);
+
 #[derive(Clone, Debug)]
 pub struct EngineSettings {
     pub plan: PlanSettings,
@@ -50,11 +60,20 @@ pub struct EngineSettings {
     pub excluded_namespaces: Vec<String>,
     /// How many keys are worked on at once (status writes, releases, holds).
     pub workers: usize,
+    /// The most of a Calico IP pool's unallocated addresses all policies together may
+    /// hold, in percent (`--max-pool-share`); `maxPoolShare` bounds one policy.
+    pub max_pool_share: u32,
 }
 
 impl Default for EngineSettings {
     fn default() -> Self {
-        Self { plan: PlanSettings::default(), policy_prefix: None, excluded_namespaces: vec![], workers: 8 }
+        Self {
+            plan: PlanSettings::default(),
+            policy_prefix: None,
+            excluded_namespaces: vec![],
+            workers: 8,
+            max_pool_share: DEFAULT_MAX_POOL_SHARE,
+        }
     }
 }
 
@@ -79,6 +98,8 @@ enum Key {
     Release(String),
     Shard(CalicoApiGroup, String),
     Pod(String, String),
+    /// A Calico IP pool (the pool guard).
+    Pool(String),
 }
 
 impl Key {
@@ -89,6 +110,7 @@ impl Key {
             Self::Release(_) => "release",
             Self::Shard(..) => "shard",
             Self::Pod(..) => "pod",
+            Self::Pool(_) => "pool",
         }
     }
 }
@@ -104,6 +126,9 @@ struct Memory {
     announced: HashSet<String>,
     /// Policies past their cap (a `CapReached` Event when one gets there).
     over_cap: HashSet<String>,
+    /// (pool, policy) pairs the pool guard is releasing from (a `PoolShareReached` Event
+    /// when one gets there).
+    over_pool: HashSet<(String, String)>,
     /// Foreign entries per shard, as last reported.
     foreign: HashMap<(CalicoApiGroup, String), (String, Vec<String>)>,
     /// Holds that arrived, per policy (to size cap release slots).
@@ -121,6 +146,8 @@ struct Ctx {
     namespaces: Arc<NamespaceStore>,
     workloads: Arc<WorkloadStore>,
     records: Arc<RecordIndex>,
+    /// Calico's pools and IPAM blocks, when the cluster serves them (the pool guard).
+    pools: Option<Arc<PoolStore>>,
     matcher: SharedMatcher,
     metrics: Arc<Metrics>,
     recorder: Recorder,
@@ -166,6 +193,22 @@ impl ReleaseEngine {
         let workloads = Arc::new(WorkloadStore::default());
         let mut tasks = vec![tokio::spawn(records.clone().watch(self.client.clone()))];
         tasks.extend(workloads.watch(&self.client));
+        let pools = match detect_ipam_api(&self.client).await {
+            Some(api_version) => {
+                info!(
+                    api_version,
+                    max_pool_share = self.settings.max_pool_share,
+                    "pool guard: watching Calico's IP pools"
+                );
+                let store = Arc::new(PoolStore::default());
+                tasks.extend(store.watch(&self.client, &api_version));
+                Some(store)
+            }
+            None => {
+                info!("pool guard: Calico's IPAM blocks are not served here; no pool guard");
+                None
+            }
+        };
         let _abort = AbortOnDrop(tasks);
         // Subscribed before anything is listed, so no change is missed.
         let rx = Receivers {
@@ -175,6 +218,7 @@ impl ReleaseEngine {
             records: records.subscribe(),
             index: self.reservations.index().subscribe(),
             policies: self.policy_changes.subscribe(),
+            pools: pools.as_ref().map(|p| p.subscribe()),
         };
         let index = self.reservations.index().clone();
         let synced = async {
@@ -217,6 +261,7 @@ impl ReleaseEngine {
             namespaces: self.namespaces.clone(),
             workloads: workloads.clone(),
             records: records.clone(),
+            pools,
             matcher: self.matcher.clone(),
             metrics: self.metrics.clone(),
             recorder: recorder.clone(),
@@ -247,6 +292,10 @@ impl ReleaseEngine {
         let _stop = AbortOnDrop(workers.into_iter().chain([pump]).collect());
         fence.lost().await;
         ctx.queue.close();
+        // A follower reports no pools: a stale gauge would outlive what it measured.
+        for p in ctx.pools.iter().flat_map(|s| s.pools()) {
+            self.metrics.release.pools.forget(&p.name);
+        }
         info!("leader: lost the Lease; the release controller stops");
     }
 }
@@ -268,6 +317,15 @@ struct Receivers {
     records: broadcast::Receiver<RecordEvent>,
     index: broadcast::Receiver<IndexEvent>,
     policies: broadcast::Receiver<()>,
+    pools: Option<broadcast::Receiver<String>>,
+}
+
+/// The next pool change, or never when there is no pool guard.
+async fn next_pool(rx: &mut Option<broadcast::Receiver<String>>) -> Result<String, RecvError> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// A received event, or a sign that some were lost (look at everything again).
@@ -300,6 +358,22 @@ impl Ctx {
             self.pod_changed(&ns, &name);
         }
         self.policies_changed();
+        self.all_pools_changed();
+    }
+
+    fn all_pools_changed(&self) {
+        for p in self.pools.iter().flat_map(|s| s.pools()) {
+            self.queue.add_after(Key::Pool(p.name), POOL_SETTLE);
+        }
+    }
+
+    /// A hold in `cidr` came or went: its pool's share changed.
+    fn pool_of_changed(&self, cidr: &str) {
+        if let (Some(store), Some(ip)) = (&self.pools, entry::single_ip(cidr))
+            && let Some(pool) = store.pool_of(ip)
+        {
+            self.queue.add_after(Key::Pool(pool.name), POOL_SETTLE);
+        }
     }
 
     /// A Pod changed: its records, and the safety net (a Pod being deleted after a moment,
@@ -341,6 +415,9 @@ impl Ctx {
         }
         memory.policies = now;
         drop(memory);
+        if !changed.is_empty() {
+            self.all_pools_changed();
+        }
         for p in changed {
             for r in self.records.for_policy(&p) {
                 self.queue.add(Key::Record(r));
@@ -397,6 +474,11 @@ impl Ctx {
                     Some(_) => self.policies_changed(),
                     None => return,
                 },
+                e = next_pool(&mut rx.pools) => match got(e) {
+                    Some(Some(pool)) if !pool.is_empty() => self.queue.add_after(Key::Pool(pool), POOL_SETTLE),
+                    Some(_) => self.all_pools_changed(),
+                    None => return,
+                },
             }
             self.metrics.release.queue_depth.set(self.queue.busy() as i64);
         }
@@ -409,6 +491,7 @@ impl Ctx {
         after: Option<Arc<capo_api::ReservedIP>>,
     ) {
         for r in before.iter().chain(&after) {
+            self.pool_of_changed(&r.spec.cidr);
             self.queue.add(Key::Policy(r.spec.policy.clone()));
             if let Ok(group) = r.spec.calico_api_group.parse::<CalicoApiGroup>() {
                 self.queue.add(Key::Shard(group, r.spec.reservation.clone()));
@@ -462,7 +545,7 @@ impl Ctx {
             Key::Record(r) => self.records.get(r).map(|r| r.spec.policy.clone()).unwrap_or_default(),
             Key::Policy(p) | Key::Release(p) => p.clone(),
             Key::Shard(g, n) => self.index.get(*g, n).and_then(|v| v.policy.clone()).unwrap_or_default(),
-            Key::Pod(..) => String::new(),
+            Key::Pod(..) | Key::Pool(_) => String::new(),
         }
     }
 
@@ -474,6 +557,10 @@ impl Ctx {
             Key::Shard(group, name) => self.shard(*group, name).await,
             Key::Pod(ns, name) => {
                 self.net.check(ns, name, &self.fence).await?;
+                Ok(None)
+            }
+            Key::Pool(name) => {
+                self.pool(name).await;
                 Ok(None)
             }
         }
@@ -623,7 +710,7 @@ impl Ctx {
                 .filter(|r| !pacer.contains(r))
                 .map(|r| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
-                    namespace: &r.spec.pod.namespace,
+                    group: &r.spec.pod.namespace,
                     created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
                     reserved_at: r.spec.reserved_at.0,
                 })
@@ -660,6 +747,86 @@ impl Ctx {
         drop(pacer);
         self.queue.add(Key::Release(name.to_string()));
         Ok(None)
+    }
+
+    /// A pool (the pool guard): its gauges, and the holds in it past a policy's
+    /// `maxPoolShare` or the global `--max-pool-share` of its unallocated addresses —
+    /// released oldest first, at their policies' pace. Holds whose address Calico's IPAM
+    /// still has allocated (the Pod not yet gone) are neither counted nor released.
+    async fn pool(&self, name: &str) {
+        let Some(store) = self.pools.as_ref().filter(|s| s.is_synced()) else { return };
+        let gauges = &self.metrics.release.pools;
+        let (Some(pool), Some(usage)) = (store.pools().into_iter().find(|p| p.name == name), store.usage(name)) else {
+            gauges.forget(name);
+            return;
+        };
+        let held = self.records.matching(|r| {
+            entry::single_ip(&r.spec.cidr).is_some_and(|ip| pool.cidr.contains(&ip) && !store.is_allocated(ip))
+        });
+        let unused = usage.unused();
+        gauges.set(name, usage.size, unused.saturating_sub(held.len() as u128), held.len());
+        if pool.disabled {
+            return;
+        }
+        let matcher = self.matcher.load();
+        let victims = {
+            let pacer = self.pacer.lock().expect("pacer lock");
+            let counted: Vec<cap::Counted<'_>> = held
+                .iter()
+                .filter(|r| self.in_scope(&r.spec.policy) && !pacer.contains(r))
+                .map(|r| cap::Counted {
+                    name: r.metadata.name.as_deref().unwrap_or_default(),
+                    group: &r.spec.policy,
+                    created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
+                    reserved_at: r.spec.reserved_at.0,
+                })
+                .collect();
+            let share = |p: &str| matcher.get(p).and_then(|c| c.max_pool_share);
+            cap::over_pool_share(unused, self.settings.max_pool_share, share, counted)
+        };
+        let mut by_policy: BTreeMap<String, Vec<Arc<capo_api::ReservedIP>>> = BTreeMap::new();
+        for v in &victims {
+            if let Some(record) = self.records.get(v) {
+                by_policy.entry(record.spec.policy.clone()).or_default().push(record);
+            }
+        }
+        let newly_over: Vec<String> = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            memory.over_pool.retain(|(p, policy)| p != name || by_policy.contains_key(policy));
+            by_policy
+                .keys()
+                .filter(|policy| memory.over_pool.insert((name.to_string(), (*policy).clone())))
+                .cloned()
+                .collect()
+        };
+        for policy in newly_over {
+            let bound = match matcher.get(&policy).and_then(|c| c.max_pool_share) {
+                Some(s) => format!("maxPoolShare={s}% or --max-pool-share={}%", self.settings.max_pool_share),
+                None => format!("--max-pool-share={}%", self.settings.max_pool_share),
+            };
+            let note = format!(
+                "IP pool {name} ({}): capo holds {} of its {unused} unallocated addresses, more than {bound}: releasing this policy's oldest holds in it",
+                pool.cidr,
+                held.len()
+            );
+            warn!(
+                pool = name,
+                policy,
+                held = held.len(),
+                unused = unused as u64,
+                "pool guard: releasing the oldest holds"
+            );
+            self.event(&policy_ref(&policy), EventType::Warning, "PoolShareReached", "Release", note).await;
+        }
+        let now = Timestamp::now();
+        for (policy, records) in by_policy {
+            let mut pacer = self.pacer.lock().expect("pacer lock");
+            for record in records {
+                pacer.submit(&policy, Leaving { record, reason: ReleaseReason::Pool, due: now });
+            }
+            drop(pacer);
+            self.queue.add(Key::Release(policy));
+        }
     }
 
     /// How many holds of `policy` arrived within the last `interval`.

@@ -20,6 +20,9 @@ pub enum ReleaseReason {
     Ttl,
     /// The policy (or the namespace's share of it) held more than its cap: the oldest went.
     Cap,
+    /// capo held more of an IP pool's unused addresses than `maxPoolShare` (the policy's)
+    /// or `--max-pool-share` (all policies') allows: the oldest in that pool went.
+    Pool,
     /// An operator ran `capo release`.
     Manual,
     /// The Pod was never deleted (an eviction refused by a PodDisruptionBudget, a deletion
@@ -37,6 +40,7 @@ impl ReleaseReason {
         match self {
             Self::Ttl => "ttl",
             Self::Cap => "cap",
+            Self::Pool => "pool",
             Self::Manual => "manual",
             Self::PodKept => "pod-kept",
             Self::WorkloadGone => "workload-gone",

@@ -82,7 +82,7 @@ impl Pacer {
         self.pending.insert(name.clone());
         let slot = self.slots.entry(policy.to_string()).or_default();
         match leaving.reason {
-            ReleaseReason::Cap => slot.cap.push(leaving),
+            ReleaseReason::Cap | ReleaseReason::Pool => slot.cap.push(leaving),
             _ => {
                 slot.due.insert((leaving.due, name), leaving);
             }
@@ -148,7 +148,7 @@ impl Pacer {
         let slot = self.slots.entry(policy.to_string()).or_default();
         for l in leaving {
             match l.reason {
-                ReleaseReason::Cap => slot.cap.insert(0, l),
+                ReleaseReason::Cap | ReleaseReason::Pool => slot.cap.insert(0, l),
                 _ => {
                     slot.due.insert((l.due, l.name()), l);
                 }

@@ -125,6 +125,12 @@ impl RecordIndex {
         inner.by_policy.get(policy).into_iter().flatten().filter_map(|n| inner.records.get(n).cloned()).collect()
     }
 
+    /// The records `keep` accepts (a scan of all of them).
+    pub fn matching(&self, keep: impl Fn(&ReservedIP) -> bool) -> Vec<Arc<ReservedIP>> {
+        let inner = self.inner.read().expect("record index lock");
+        inner.records.values().filter(|r| keep(r)).cloned().collect()
+    }
+
     pub fn policies(&self) -> Vec<String> {
         self.inner.read().expect("record index lock").by_policy.keys().cloned().collect()
     }
