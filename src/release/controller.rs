@@ -47,6 +47,17 @@ use crate::store::{NamespaceStore, PodStore, RecordIndex, WorkloadStore};
 /// capo holds (docs/calico.md).
 pub const DEFAULT_MAX_POOL_SHARE: u32 = 50;
 
+/// How long a shard's changes are gathered before repair looks at it. A look reads every
+/// entry of the shard, and each hold changes its shard and its record: looking once per
+/// change made a hold's cost grow with the shard. Repair acts only on mismatches older
+/// than the settle time (seconds), and a non-CIDR entry is still removed within this.
+const SHARD_GATHER: Duration = Duration::from_millis(500);
+
+/// How long record changes are gathered before their policy's cap is looked at (a look
+/// reads all of the policy's holds; a storm changes many at once). Well within any
+/// `releaseInterval`.
+const POLICY_GATHER: Duration = Duration::from_millis(100);
+
 /// How long pool changes are gathered before the pool guard looks (every Pod start and
 /// stop in the cluster changes an IPAM block).
 const POOL_SETTLE: Duration = Duration::from_secs(1);
@@ -465,7 +476,7 @@ impl Ctx {
                                 self.queue.add(Key::Record(record_name(ip)));
                             }
                         }
-                        self.queue.add(Key::Shard(key.0, key.1));
+                        self.queue.add_after(Key::Shard(key.0, key.1), SHARD_GATHER);
                     }
                     Some(_) => self.enqueue_everything(),
                     None => return,
@@ -492,9 +503,9 @@ impl Ctx {
     ) {
         for r in before.iter().chain(&after) {
             self.pool_of_changed(&r.spec.cidr);
-            self.queue.add(Key::Policy(r.spec.policy.clone()));
+            self.queue.add_after(Key::Policy(r.spec.policy.clone()), POLICY_GATHER);
             if let Ok(group) = r.spec.calico_api_group.parse::<CalicoApiGroup>() {
-                self.queue.add(Key::Shard(group, r.spec.reservation.clone()));
+                self.queue.add_after(Key::Shard(group, r.spec.reservation.clone()), SHARD_GATHER);
             }
         }
         if let Some(old) = &before
@@ -703,6 +714,12 @@ impl Ctx {
         let oldest = holds.iter().map(|r| r.spec.reserved_at.0).min();
         m.set_policy(name, holds.len(), policy.as_ref().map(|p| p.max_reserved), oldest);
         let Some(policy) = policy else { return Ok(None) };
+        // Within the cap (and with no namespace share) nothing goes: no need to order them.
+        let within = holds.len() <= policy.max_reserved as usize && policy.max_reserved_per_namespace.is_none();
+        if within {
+            self.memory.lock().expect("memory lock").over_cap.remove(name);
+            return Ok(None);
+        }
         let victims = {
             let pacer = self.pacer.lock().expect("pacer lock");
             let counted: Vec<cap::Counted<'_>> = holds

@@ -68,9 +68,9 @@ const FORGET_RELEASED_AFTER: Duration = Duration::from_secs(600);
 impl Pacer {
     /// Whether this record is on its way out or already released.
     pub fn contains(&self, record: &ReservedIP) -> bool {
-        let name = record.name_any();
-        self.pending.contains(&name)
-            || self.released.get(&name).is_some_and(|(uid, _)| Some(uid) == record.metadata.uid.as_ref())
+        let name = record.metadata.name.as_deref().unwrap_or_default();
+        self.pending.contains(name)
+            || self.released.get(name).is_some_and(|(uid, _)| Some(uid) == record.metadata.uid.as_ref())
     }
 
     /// Queues a release of `policy`'s; a record already queued is left as it is.

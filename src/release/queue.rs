@@ -21,7 +21,9 @@ struct Inner<K> {
     /// Added while active: run again when done.
     again: HashSet<K>,
     /// Waiting for a time: key → when, and the same ordered by time.
-    later: HashMap<K, Instant>,
+    /// (Removing by the exact timeline key keeps every change O(log n): the leader keeps
+    /// one key per hold waiting for its due time.)
+    later: HashMap<K, (Instant, u64)>,
     timeline: BTreeSet<(Instant, u64, K)>,
     seq: u64,
     failures: HashMap<K, u32>,
@@ -57,8 +59,8 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     }
 
     fn push_ready(inner: &mut Inner<K>, key: K) {
-        if let Some(at) = inner.later.remove(&key) {
-            inner.timeline.retain(|(t, _, k)| !(*t == at && *k == key));
+        if let Some((at, seq)) = inner.later.remove(&key) {
+            inner.timeline.remove(&(at, seq, key.clone()));
         }
         if inner.active.contains(&key) {
             inner.again.insert(key);
@@ -84,15 +86,15 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         if inner.queued.contains(&key) {
             return;
         }
-        if let Some(&prev) = inner.later.get(&key) {
+        if let Some(&(prev, prev_seq)) = inner.later.get(&key) {
             if prev <= at {
                 return;
             }
-            inner.timeline.retain(|(t, _, k)| !(*t == prev && *k == key));
+            inner.timeline.remove(&(prev, prev_seq, key.clone()));
         }
         inner.seq += 1;
         let seq = inner.seq;
-        inner.later.insert(key.clone(), at);
+        inner.later.insert(key.clone(), (at, seq));
         inner.timeline.insert((at, seq, key));
         drop(inner);
         self.wake.notify_one();

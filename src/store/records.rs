@@ -2,7 +2,7 @@
 //! Pod they hold for, by policy, by namespace and by the Pod's controller, so that one
 //! event touches only the holds it concerns.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 
 use crate::store::Guarded;
@@ -25,7 +25,9 @@ pub enum RecordEvent {
 struct Inner {
     records: HashMap<String, Arc<ReservedIP>>,
     by_pod: HashMap<(String, String), BTreeSet<String>>,
-    by_policy: HashMap<String, BTreeSet<String>>,
+    /// The records themselves, by policy: a policy's reconcile reads all of them, on every
+    /// change of one, so no lookup per record.
+    by_policy: HashMap<String, BTreeMap<String, Arc<ReservedIP>>>,
     by_namespace: HashMap<String, BTreeSet<String>>,
     by_controller: HashMap<(String, String, String), BTreeSet<String>>,
 }
@@ -57,7 +59,12 @@ impl Inner {
         let old = self.records.remove(name)?;
         let (pod, policy, ns, controller) = keys(&old);
         unlink(&mut self.by_pod, pod, name);
-        unlink(&mut self.by_policy, policy, name);
+        if let Some(m) = self.by_policy.get_mut(&policy) {
+            m.remove(name);
+            if m.is_empty() {
+                self.by_policy.remove(&policy);
+            }
+        }
         unlink(&mut self.by_namespace, ns, name);
         if let Some(c) = controller {
             unlink(&mut self.by_controller, c, name);
@@ -70,7 +77,7 @@ impl Inner {
         let old = self.remove(&name);
         let (pod, policy, ns, controller) = keys(&record);
         self.by_pod.entry(pod).or_default().insert(name.clone());
-        self.by_policy.entry(policy).or_default().insert(name.clone());
+        self.by_policy.entry(policy).or_default().insert(name.clone(), record.clone());
         self.by_namespace.entry(ns).or_default().insert(name.clone());
         if let Some(c) = controller {
             self.by_controller.entry(c).or_default().insert(name.clone());
@@ -108,7 +115,8 @@ impl RecordIndex {
     }
 
     pub fn for_policy(&self, policy: &str) -> Vec<String> {
-        self.names(|i| i.by_policy.get(policy))
+        let inner = self.inner.read().expect("record index lock");
+        inner.by_policy.get(policy).map(|m| m.keys().cloned().collect()).unwrap_or_default()
     }
 
     pub fn for_namespace(&self, namespace: &str) -> Vec<String> {
@@ -122,7 +130,7 @@ impl RecordIndex {
     /// The records of `policy` themselves.
     pub fn records_of(&self, policy: &str) -> Vec<Arc<ReservedIP>> {
         let inner = self.inner.read().expect("record index lock");
-        inner.by_policy.get(policy).into_iter().flatten().filter_map(|n| inner.records.get(n).cloned()).collect()
+        inner.by_policy.get(policy).map(|m| m.values().cloned().collect()).unwrap_or_default()
     }
 
     /// The records `keep` accepts (a scan of all of them).
