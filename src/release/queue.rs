@@ -235,6 +235,11 @@ mod tests {
         assert_eq!(q.next().await, Some(3));
         assert_eq!(t0.elapsed(), Duration::from_secs(3));
         assert!(q.is_empty());
+        // The times each key had before are gone with it: nothing comes at 5 s or 9 s.
+        for k in [1, 2, 3] {
+            q.done(&k);
+        }
+        assert!(tokio::time::timeout(Duration::from_secs(10), q.next()).await.is_err());
     }
 
     #[tokio::test(start_paused = true)]
