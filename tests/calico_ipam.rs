@@ -17,7 +17,7 @@ use capo_testenv::{Calico, CalicoEtcd};
 use futures::StreamExt;
 use ipnet::IpNet;
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams, Preconditions};
 use kube::runtime::watcher;
@@ -212,21 +212,6 @@ async fn calico_3_28_reads_crd_projectcalico_org_v1_and_not_projectcalico_org_v3
     assert!(!block.contains(&held.ips[0]), "its block's only free address is held: Calico claims a new block");
     delete_reservation(&client, CalicoApiGroup::CrdV1, &name).await;
     delete_reservation(&client, CalicoApiGroup::V3, &name).await;
-}
-
-/// A kwok node of the test's own (kwok runs its Pods, capo-calico-ipam gives them IPs).
-async fn kwok_node(client: &Client, name: &str) {
-    let node: Node = serde_json::from_value(json!({
-        "metadata": {
-            "name": name,
-            "annotations": { capo_testenv::KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0" },
-            "labels": { "type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux" },
-        },
-        "status": { "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110" },
-                    "capacity": { "cpu": "32", "memory": "256Gi", "pods": "110" } },
-    }))
-    .unwrap();
-    Api::<Node>::all(client.clone()).create(&PostParams::default(), &node).await.expect("create kwok node");
 }
 
 fn statefulset(name: &str, replicas: i32, node: Option<&str>) -> StatefulSet {

@@ -10,10 +10,11 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
+use support::calico::kwok_node;
 use support::leading::*;
 use support::*;
 
@@ -39,23 +40,6 @@ async fn create_small_pool(client: &Client) {
     }))
     .unwrap();
     api.create(&PostParams::default(), &pool).await.expect("create the /26 IPPool");
-}
-
-async fn kwok_node(client: &Client, name: &str) {
-    let node: Node = serde_json::from_value(json!({
-        "metadata": {
-            "name": name,
-            "annotations": { capo_testenv::KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0" },
-            "labels": { "type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux" },
-        },
-        "status": { "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110" },
-                    "capacity": { "cpu": "32", "memory": "256Gi", "pods": "110" } },
-    }))
-    .unwrap();
-    let nodes = Api::<Node>::all(client.clone());
-    if nodes.get_opt(name).await.unwrap().is_none() {
-        nodes.create(&PostParams::default(), &node).await.expect("create kwok node");
-    }
 }
 
 /// Creates Pods `<app>-<i>` on `node`, their addresses from the small pool (Calico's CNI

@@ -215,3 +215,22 @@ pub async fn write_reservation(client: &Client, group: capo_api::CalicoApiGroup,
 pub fn single(ip: IpAddr) -> String {
     super::cidr(ip)
 }
+
+/// A kwok node named `name` (created unless it exists), on which the IPAM driver serves
+/// Pods: a test that needs its own node's blocks uses one.
+pub async fn kwok_node(client: &Client, name: &str) {
+    let node: Node = serde_json::from_value(json!({
+        "metadata": {
+            "name": name,
+            "annotations": { capo_testenv::KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0" },
+            "labels": { "type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux" },
+        },
+        "status": { "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110" },
+                    "capacity": { "cpu": "32", "memory": "256Gi", "pods": "110" } },
+    }))
+    .unwrap();
+    let nodes = Api::<Node>::all(client.clone());
+    if nodes.get_opt(name).await.unwrap().is_none() {
+        nodes.create(&PostParams::default(), &node).await.expect("create kwok node");
+    }
+}
