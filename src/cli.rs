@@ -367,6 +367,7 @@ impl Args {
                 plan: PlanSettings {
                     kept_pod_grace: self.kept_pod_grace.as_std(),
                     settle: self.repair_settle.as_std(),
+                    hold_in_flight: self.max_review_time.as_std(),
                     ..Default::default()
                 },
                 policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),

@@ -84,6 +84,10 @@ pub struct PlanSettings {
     /// How long a mismatch between a record and its reservation must last before repair
     /// acts on it: the webhook writes entry and record concurrently, and watches lag.
     pub settle: Duration,
+    /// The longest a review may take (`--max-review-time`): a record whose entry is missing
+    /// while its Pod still runs may belong to a hold still being written for that long
+    /// (its entry retried on a slow or restarting datastore), so it is not dropped before.
+    pub hold_in_flight: Duration,
     /// Pacing and TTL of holds whose policy is gone or invalid.
     pub default_release_interval: Duration,
     pub default_release_batch: usize,
@@ -95,6 +99,7 @@ impl Default for PlanSettings {
         Self {
             kept_pod_grace: Duration::from_secs(600),
             settle: Duration::from_secs(5),
+            hold_in_flight: Duration::from_secs(10),
             default_release_interval: Duration::from_secs(5),
             default_release_batch: 10,
             default_reserve_for: Duration::from_secs(40 * 60),
@@ -198,7 +203,10 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     }
 
     let action = if !f.entry_present {
+        // A Pod that still runs may be waiting for the review that writes this hold.
+        let in_flight = plus(f.missing_since.unwrap_or(now), settings.settle + settings.hold_in_flight);
         match f.missing_since.map(|s| plus(s, settings.settle)) {
+            Some(_) if state == PodState::Kept && in_flight > now => Action::Wait(Some(in_flight)),
             Some(settled) if settled <= now => match (state, due) {
                 (PodState::Kept, _) => Action::Drop { reason: ReleaseReason::Repair, due: None },
                 (_, Some((at, reason))) if at <= now => Action::Drop { reason, due: Some(at) },
@@ -440,12 +448,16 @@ pub(crate) mod tests {
         assert_eq!(decide(&f, &s).action, Action::Wait(Some(at(13.0))));
         f.missing_since = Some(at(5.0));
         assert_eq!(decide(&f, &s).action, Action::WriteBack);
-        // Pod still running: the record goes.
+        // Pod still running: the record goes, but not while the review that wrote it may
+        // still be writing its entry (it answers within the review time; until then the
+        // Pod is not deleting, whatever the outcome).
         let running_rec = record("10.0.0.2", "p", 0.0, None);
         let running = pod_of(&running_rec, false, "Running");
         let mut f = facts(&running_rec, Some(&running), Some(&p), 10.0);
         f.entry_present = false;
         f.missing_since = Some(at(0.0));
+        assert_eq!(decide(&f, &s).action, Action::Wait(Some(at(15.0))), "settle + the longest review");
+        f.now = at(15.0);
         assert_eq!(decide(&f, &s).action, Action::Drop { reason: ReleaseReason::Repair, due: None });
         // Past due: the release completes.
         let past = record("10.0.0.3", "p", 0.0, gone_at(-100.0));
