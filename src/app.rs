@@ -13,7 +13,8 @@ use tokio::task::JoinHandle;
 use tracing::info;
 
 use crate::admission::{Admission, AdmissionSettings};
-use crate::calico::{ReservationIndex, Reservations, detect_calico_api};
+use crate::calico::etcd::{Etcd, EtcdConfig, EtcdError};
+use crate::calico::{Datastore, Detected, ReservationIndex, Reservations, detect_calico_api};
 use crate::certs::managed::{Injected, ManagedError, ManagedSettings};
 use crate::certs::{self, CertError, ServingCert};
 use crate::health::{self, Readiness};
@@ -57,6 +58,9 @@ pub struct Settings {
     pub self_register: Option<SelfRegister>,
     /// `None`: detect it the way Calico does.
     pub calico_api: Option<CalicoApiGroup>,
+    /// Calico's etcd datastore: reservations go there (`projectcalico.org/v3`), not to the
+    /// API server. `None`: the Kubernetes datastore.
+    pub calico_etcd: Option<EtcdConfig>,
     pub excluded_namespaces: Vec<String>,
     pub max_review_time: Duration,
     pub field_manager: String,
@@ -98,6 +102,8 @@ pub enum AppError {
     Register { name: String, source: kube::Error },
     #[error(transparent)]
     Leader(#[from] LeaderError),
+    #[error("Calico's etcd datastore: {0}")]
+    Etcd(#[from] EtcdError),
 }
 
 pub struct App {
@@ -142,7 +148,20 @@ impl App {
         let namespaces = Arc::new(NamespaceStore::default());
         let index = Arc::new(ReservationIndex::default());
         let matcher: SharedMatcher = Arc::new(ArcSwap::from_pointee(Matcher::default()));
-        let calico = detect_calico_api(&client, settings.calico_api).await;
+        let (datastore, leader_datastore, calico) = match &settings.calico_etcd {
+            // Calico's etcd keeps projectcalico.org/v3 objects only.
+            Some(config) => {
+                let etcd = Etcd::new(config)?;
+                info!(endpoints = %etcd.endpoints(), "Calico's datastore: etcd");
+                let v3 = Detected { chosen: CalicoApiGroup::V3, served: vec![CalicoApiGroup::V3] };
+                (Datastore::Etcd(etcd.clone()), Datastore::Etcd(etcd), v3)
+            }
+            None => (
+                Datastore::Kubernetes(client.clone()),
+                Datastore::Kubernetes(leader_client.clone()),
+                detect_calico_api(&client, settings.calico_api).await,
+            ),
+        };
         let calico_api = calico.chosen;
         let mut watched = calico.served.clone();
         if !watched.contains(&calico_api) {
@@ -152,8 +171,13 @@ impl App {
             tokio::spawn(namespaces.clone().watch(client.clone(), readiness.clone())),
             tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
         ]);
-        for group in &watched {
-            tasks.push(tokio::spawn(index.clone().watch(client.clone(), *group)));
+        match &datastore {
+            Datastore::Etcd(etcd) => tasks.push(tokio::spawn(index.clone().watch_etcd(etcd.clone()))),
+            Datastore::Kubernetes(_) => {
+                for group in &watched {
+                    tasks.push(tokio::spawn(index.clone().watch(client.clone(), *group)));
+                }
+            }
         }
         // The epoch a new leader takes is above every epoch on capo's reservations.
         let floor: crate::leader::EpochFloor = {
@@ -177,7 +201,7 @@ impl App {
 
         let (serving, ca_pem, cert_watcher) = serving_cert(&client, &settings, &metrics, &mut tasks).await?;
 
-        let reservations = Reservations::new(client.clone(), calico_api, index.clone());
+        let reservations = Reservations::in_datastore(datastore, calico_api, index.clone());
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
             pods: pods.clone(),
@@ -212,7 +236,7 @@ impl App {
         if let (Some(release), Some(fence)) = (&settings.release, &fence) {
             let engine = ReleaseEngine {
                 client: leader_client.clone(),
-                reservations: Reservations::new(leader_client.clone(), calico_api, index.clone()),
+                reservations: Reservations::in_datastore(leader_datastore, calico_api, index.clone()),
                 served: watched.clone(),
                 pods: pods.clone(),
                 namespaces: namespaces.clone(),

@@ -8,6 +8,7 @@ use capo_api::CalicoApiGroup;
 use clap::Parser;
 
 use crate::app::{ReleaseSettings, SelfRegister, Settings, TlsSource};
+use crate::calico::etcd::EtcdConfig;
 use crate::certs::managed::ManagedSettings;
 use crate::leader::LeaderSettings;
 use crate::release::{EngineSettings, PlanSettings};
@@ -169,6 +170,27 @@ pub struct Args {
     #[arg(long, env = "CAPO_CALICO_API", default_value = "auto")]
     pub calico_api: String,
 
+    /// Calico's datastore, as Calico's own components take it: kubernetes (IPReservations
+    /// are objects in the API server) or etcdv3 (in Calico's etcd; see the --etcd-* flags).
+    #[arg(long, env = "DATASTORE_TYPE", default_value = "kubernetes")]
+    pub calico_datastore: String,
+
+    /// Calico's etcd endpoints, comma-separated (with --calico-datastore etcdv3).
+    #[arg(long, env = "ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+
+    /// The CA that signed Calico's etcd's serving certificate (https endpoints).
+    #[arg(long, env = "ETCD_CA_CERT_FILE")]
+    pub etcd_ca_cert_file: Option<PathBuf>,
+
+    /// capo's client certificate for Calico's etcd.
+    #[arg(long, env = "ETCD_CERT_FILE")]
+    pub etcd_cert_file: Option<PathBuf>,
+
+    /// The key of --etcd-cert-file.
+    #[arg(long, env = "ETCD_KEY_FILE")]
+    pub etcd_key_file: Option<PathBuf>,
+
     /// capo's own namespace (never held in).
     #[arg(long, env = "POD_NAMESPACE", default_value = "capo-system")]
     pub namespace: String,
@@ -259,6 +281,12 @@ pub enum ArgsError {
     CertValidity,
     #[error("--inject-ca-bundle with --self-register-url: capo registers its own CA already")]
     InjectWithSelfRegister,
+    #[error("--calico-datastore {0:?}: kubernetes or etcdv3")]
+    Datastore(String),
+    #[error("--calico-datastore etcdv3 needs --etcd-endpoints (ETCD_ENDPOINTS)")]
+    NoEtcdEndpoints,
+    #[error("--calico-datastore etcdv3 keeps projectcalico.org/v3 objects only; --calico-api {0} does not apply")]
+    EtcdGroup(CalicoApiGroup),
 }
 
 /// `auto` (or empty): detect the group as Calico does; otherwise the named group.
@@ -283,6 +311,7 @@ impl Args {
 
     pub fn settings(&self) -> Result<Settings, ArgsError> {
         let calico_api = calico_api(&self.calico_api)?;
+        let calico_etcd = self.calico_etcd(calico_api)?;
         let mut excluded = self.excluded_namespaces.clone();
         excluded.push(self.namespace.clone());
         excluded.retain(|n| !n.is_empty());
@@ -318,6 +347,7 @@ impl Args {
             inject_ca_bundle: inject.then(|| self.webhook_config_name.clone()),
             self_register,
             calico_api,
+            calico_etcd,
             release: Some(self.release_settings(&excluded)?),
             excluded_namespaces: excluded,
             max_review_time: self.max_review_time.as_std(),
@@ -325,6 +355,30 @@ impl Args {
             sync_timeout: Duration::from_secs(120),
             watch_failure_grace: self.watch_failure_grace.as_std(),
         })
+    }
+
+    /// Calico's etcd, with `--calico-datastore etcdv3` (`None`: the Kubernetes datastore).
+    fn calico_etcd(&self, group: Option<CalicoApiGroup>) -> Result<Option<EtcdConfig>, ArgsError> {
+        match self.calico_datastore.as_str() {
+            "kubernetes" | "" => Ok(None),
+            "etcdv3" => {
+                if let Some(g) = group.filter(|g| *g != CalicoApiGroup::V3) {
+                    return Err(ArgsError::EtcdGroup(g));
+                }
+                let endpoints: Vec<String> =
+                    self.etcd_endpoints.iter().filter(|e| !e.trim().is_empty()).cloned().collect();
+                if endpoints.is_empty() {
+                    return Err(ArgsError::NoEtcdEndpoints);
+                }
+                Ok(Some(EtcdConfig {
+                    endpoints,
+                    ca_cert_file: self.etcd_ca_cert_file.clone(),
+                    cert_file: self.etcd_cert_file.clone(),
+                    key_file: self.etcd_key_file.clone(),
+                }))
+            }
+            other => Err(ArgsError::Datastore(other.to_string())),
+        }
     }
 
     /// Self-managed certificates for `hosts` (default: capo's Service).
@@ -470,6 +524,45 @@ mod tests {
         let bad =
             Cli::parse_from(["capo", "--self-register-url", "https://127.0.0.1:9443", "--inject-ca-bundle", "true"]);
         assert!(matches!(bad.run.settings(), Err(ArgsError::InjectWithSelfRegister)));
+    }
+
+    #[test]
+    fn calicos_etcd_settings() {
+        let kube = Cli::parse_from(["capo"]).run.settings().unwrap();
+        assert_eq!(kube.calico_etcd, None);
+        let etcd = Cli::parse_from([
+            "capo",
+            "--calico-datastore",
+            "etcdv3",
+            "--etcd-endpoints",
+            "https://10.0.0.1:2379,https://10.0.0.2:2379",
+            "--etcd-ca-cert-file",
+            "/etc/calico/ca.pem",
+            "--etcd-cert-file",
+            "/etc/calico/cert.pem",
+            "--etcd-key-file",
+            "/etc/calico/key.pem",
+        ])
+        .run
+        .settings()
+        .unwrap();
+        let cfg = etcd.calico_etcd.unwrap();
+        assert_eq!(cfg.endpoints, vec!["https://10.0.0.1:2379".to_string(), "https://10.0.0.2:2379".to_string()]);
+        assert_eq!(cfg.key_file.as_deref(), Some(std::path::Path::new("/etc/calico/key.pem")));
+        let none = Cli::parse_from(["capo", "--calico-datastore", "etcdv3"]).run.settings();
+        assert!(matches!(none, Err(ArgsError::NoEtcdEndpoints)), "{none:?}");
+        let v1 = Cli::parse_from([
+            "capo",
+            "--calico-datastore",
+            "etcdv3",
+            "--etcd-endpoints",
+            "http://127.0.0.1:2379",
+            "--calico-api",
+            "crd.projectcalico.org/v1",
+        ]);
+        assert!(matches!(v1.run.settings(), Err(ArgsError::EtcdGroup(_))));
+        let bad = Cli::parse_from(["capo", "--calico-datastore", "etcd"]).run.settings().unwrap_err();
+        assert!(bad.to_string().contains("kubernetes or etcdv3"), "{bad}");
     }
 
     #[test]

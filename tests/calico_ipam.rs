@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use capo_api::CalicoApiGroup;
-use capo_testenv::{Calico, CalicoEtcd};
+use capo_testenv::Calico;
 use futures::StreamExt;
 use ipnet::IpNet;
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -24,6 +24,8 @@ use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::calico::*;
+use support::etcd::*;
+use support::plane::private_plane_with;
 use support::*;
 
 /// A tag for this run's object names (runs attached to one control plane do not collide).
@@ -330,59 +332,6 @@ async fn create_pod_with_calico_ips_assigns_from_calico_and_deletion_releases() 
     .await;
 }
 
-/// A control plane of this test's own, with restartable components. Its components die
-/// with the thread that owns it, which takes restart requests until the handle is dropped.
-type RestartRequest = (String, std::sync::mpsc::Sender<Result<(), String>>);
-
-struct PrivatePlane {
-    kubeconfig: PathBuf,
-    calico_etcd: Option<CalicoEtcd>,
-    requests: Option<std::sync::mpsc::Sender<RestartRequest>>,
-    owner: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for PrivatePlane {
-    fn drop(&mut self) {
-        drop(self.requests.take());
-        if let Some(owner) = self.owner.take() {
-            let _ = owner.join();
-        }
-    }
-}
-
-fn private_plane(name: &str, calico: Calico) -> PrivatePlane {
-    let (requests, rx) = std::sync::mpsc::channel::<RestartRequest>();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
-    let owner = std::thread::spawn(move || {
-        let opts = capo_testenv::Options::new(dir.clone(), 1);
-        let mut cp = match capo_testenv::ControlPlane::start_with(opts, calico) {
-            Ok(cp) => cp,
-            Err(e) => {
-                let _ = ready_tx.send(Err(e.to_string()));
-                return;
-            }
-        };
-        let _ = ready_tx.send(Ok((cp.kubeconfig.clone(), cp.calico_etcd.clone())));
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        while let Ok((component, reply)) = rx.recv() {
-            let _ = reply.send(rt.block_on(cp.restart(&component)).map_err(|e| e.to_string()));
-        }
-        cp.stop();
-        let _ = std::fs::remove_dir_all(&dir);
-    });
-    let (kubeconfig, calico_etcd) = ready_rx.recv().unwrap().unwrap_or_else(|e| panic!("private control plane: {e}"));
-    PrivatePlane { kubeconfig, calico_etcd, requests: Some(requests), owner: Some(owner) }
-}
-
-impl PrivatePlane {
-    async fn restart(&self, component: &str) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.requests.as_ref().unwrap().send((component.to_string(), tx)).unwrap();
-        tokio::task::spawn_blocking(move || rx.recv().unwrap()).await.unwrap().expect("restart");
-    }
-}
-
 /// The Pods of `ns` by name: (uid, whether Running with an IP).
 async fn pods_by_name(pods: &Api<Pod>) -> BTreeMap<String, (String, bool)> {
     let list = pods.list(&ListParams::default()).await.map(|l| l.items).unwrap_or_default();
@@ -406,7 +355,7 @@ async fn pods_by_name(pods: &Api<Pod>) -> BTreeMap<String, (String, bool)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_restarts_under_a_statefulset_delete_no_pod_but_those_the_test_deleted() {
     const REPLICAS: usize = 40;
-    let plane = private_plane("sts-restart", Calico::Kubernetes);
+    let plane = private_plane_with("sts-restart", false, Calico::Kubernetes);
     let client = capo_testenv::client_from_kubeconfig(&plane.kubeconfig).await.unwrap();
     let ns: Namespace = serde_json::from_value(json!({ "metadata": { "name": "web" } })).unwrap();
     Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.unwrap();
@@ -544,61 +493,6 @@ async fn api_server_restarts_under_a_statefulset_delete_no_pod_but_those_the_tes
     assert_eq!(seen.len(), REPLICAS + deleted_by_test.len(), "40 Pods + the recreated ones; no other uid ever existed");
 }
 
-/// An HTTPS client for Calico's etcd with the client certificate Calico's components get.
-fn etcd_http(etcd: &CalicoEtcd, with_identity: bool) -> reqwest::Client {
-    let ca = reqwest::Certificate::from_pem(&std::fs::read(&etcd.ca_cert_file).unwrap()).unwrap();
-    let mut b = reqwest::Client::builder().add_root_certificate(ca).use_rustls_tls();
-    if with_identity {
-        let mut pem = std::fs::read(&etcd.cert_file).unwrap();
-        pem.extend(std::fs::read(&etcd.key_file).unwrap());
-        b = b.identity(reqwest::Identity::from_pem(&pem).unwrap());
-    }
-    b.build().unwrap()
-}
-
-fn b64(s: &[u8]) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(s)
-}
-
-fn unb64(s: &str) -> Vec<u8> {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
-}
-
-/// etcd's JSON gateway: the keys (and values) under `prefix`.
-async fn etcd_range(http: &reqwest::Client, etcd: &CalicoEtcd, prefix: &str) -> Vec<(String, Vec<u8>)> {
-    let mut end = prefix.as_bytes().to_vec();
-    *end.last_mut().unwrap() += 1;
-    let body = json!({ "key": b64(prefix.as_bytes()), "range_end": b64(&end) });
-    let r: serde_json::Value = http
-        .post(format!("{}/v3/kv/range", etcd.endpoints))
-        .json(&body)
-        .send()
-        .await
-        .expect("etcd range")
-        .json()
-        .await
-        .unwrap();
-    r["kvs"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|kv| {
-            let key = String::from_utf8(unb64(kv["key"].as_str().unwrap())).unwrap();
-            (key, unb64(kv["value"].as_str().unwrap_or_default()))
-        })
-        .collect()
-}
-
-async fn etcd_put(http: &reqwest::Client, etcd: &CalicoEtcd, key: &str, value: &serde_json::Value) {
-    let body = json!({ "key": b64(key.as_bytes()), "value": b64(value.to_string().as_bytes()) });
-    let r = http.post(format!("{}/v3/kv/put", etcd.endpoints)).json(&body).send().await.expect("etcd put");
-    assert!(r.status().is_success(), "{:?}", r.text().await);
-}
-
-const RESERVATIONS_KEY: &str = "/calico/resources/v3/projectcalico.org/ipreservations/";
-
 /// The `Calico::Etcd` option: Calico's IPAM on an etcd of its own that serves TLS and
 /// requires client certificates. kwok Pods get IPs through it; Calico's state lives in
 /// that etcd (`/calico/ipam/v2/...`), not in the API server; an IPReservation is stored
@@ -607,7 +501,7 @@ const RESERVATIONS_KEY: &str = "/calico/resources/v3/projectcalico.org/ipreserva
 /// Calico's library — and a malformed one stops every AutoAssign.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calico_ipam_on_its_own_etcd_with_client_certificates() {
-    let plane = private_plane("calico-etcd", Calico::Etcd);
+    let plane = private_plane_with("calico-etcd", false, Calico::Etcd);
     let etcd = plane.calico_etcd.clone().expect("Calico's etcd");
     assert!(etcd.endpoints.starts_with("https://127.0.0.1:"), "{}", etcd.endpoints);
     let env = etcd.env();
@@ -690,10 +584,4 @@ async fn calico_ipam_on_its_own_etcd_with_client_certificates() {
     assert!(crashed.stderr.contains("nil pointer dereference"), "{}", crashed.stderr);
     etcd_delete(&http, &etcd, &bad_key).await;
     assign(&kc, host, "etcd.after", 1, &env).await;
-}
-
-async fn etcd_delete(http: &reqwest::Client, etcd: &CalicoEtcd, key: &str) {
-    let body = json!({ "key": b64(key.as_bytes()) });
-    let r = http.post(format!("{}/v3/kv/deleterange", etcd.endpoints)).json(&body).send().await.expect("etcd delete");
-    assert!(r.status().is_success(), "{:?}", r.text().await);
 }

@@ -161,6 +161,46 @@ fn values_are_validated_by_the_schema() {
     );
 }
 
+/// `calico.datastore: etcdv3`: capo gets Calico's etcd settings as flags its CLI accepts,
+/// the client certificate from Calico's own Secret layout (`etcd-ca`, `etcd-cert`,
+/// `etcd-key`) mounted read-only beside the webhook's, and no RBAC on Calico's objects in
+/// the API server (it never touches them there). Without endpoints the chart refuses.
+#[test]
+fn the_etcd_datastore_mounts_calicos_etcd_secret_and_asks_no_calico_rbac() {
+    use clap::Parser;
+    let all = docs(&template(&[
+        "--set",
+        "calico.datastore=etcdv3,calico.etcd.endpoints=https://10.0.0.1:2379\\,https://10.0.0.2:2379",
+        "--set",
+        "certificates.mode=secret",
+    ]));
+    let pod = &find(&all, "Deployment", "capo")["spec"]["template"]["spec"];
+    let args: Vec<String> =
+        pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect();
+    let cli = capo::cli::Cli::try_parse_from(std::iter::once("capo".to_string()).chain(args.clone()))
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    let etcd = cli.run.settings().unwrap().calico_etcd.expect("the etcd datastore");
+    assert_eq!(etcd.endpoints, vec!["https://10.0.0.1:2379".to_string(), "https://10.0.0.2:2379".to_string()]);
+    assert_eq!(etcd.key_file.as_deref(), Some(std::path::Path::new("/calico-secrets/etcd-key")));
+    let mounts = &pod["containers"][0]["volumeMounts"];
+    assert!(mounts.as_array().unwrap().iter().any(|m| m["mountPath"] == "/calico-secrets" && m["readOnly"] == true));
+    assert!(mounts.as_array().unwrap().iter().any(|m| m["mountPath"] == "/tls"), "the webhook's mount stays");
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "calico-etcd").expect("volume");
+    assert_eq!(volume["secret"]["secretName"], "calico-etcd-secrets");
+    let rules = serde_json::to_string(&rbac(&all)).unwrap();
+    assert!(!rules.contains("projectcalico.org"), "no Calico RBAC with etcd: {rules}");
+    let default_rules = serde_json::to_string(&rbac(&docs(&template(&[])))).unwrap();
+    assert!(default_rules.contains("crd.projectcalico.org"), "the Kubernetes datastore keeps it");
+
+    let out = Command::new(helm())
+        .args(["template", "capo", repo("charts/capo").to_str().unwrap(), "--set", "calico.datastore=etcdv3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("calico.etcd.endpoints is required"), "{err}");
+}
+
 #[tokio::test]
 async fn the_chart_passes_a_server_side_dry_run_with_default_values_and_every_option() {
     let client = client().await;

@@ -16,6 +16,9 @@ use kube::{Client, ResourceExt};
 use tokio::sync::{broadcast, watch};
 use tracing::warn;
 
+use super::datastore::{ETCD_RESERVATIONS, object_of};
+use super::etcd::{Etcd, Kv, PrefixEvent};
+
 /// A reservation, by API group and name.
 pub type ShardKey = (CalicoApiGroup, String);
 
@@ -208,6 +211,38 @@ impl ReservationIndex {
                 Ok(watcher::Event::Apply(obj)) => self.apply(group, ShardView::from_object(&obj)),
                 Ok(watcher::Event::Delete(obj)) => self.delete(group, obj.name_any()),
                 Err(e) => warn!(watch = what, error = %e, "watching capo's IPReservations failed; retrying"),
+            }
+        }
+    }
+
+    /// Keeps the index current from Calico's etcd datastore (capo-owned
+    /// `projectcalico.org/v3` objects only) until the task is dropped. A value capo cannot
+    /// read is reported and skipped, as the API server's watches skip one.
+    pub async fn watch_etcd(self: Arc<Self>, etcd: Etcd) {
+        let group = CalicoApiGroup::V3;
+        let owned = |kv: &Kv| -> Option<ShardView> {
+            match object_of(kv) {
+                Some(obj) => ShardView::is_owned(&obj).then(|| ShardView::from_object(&obj)),
+                None => {
+                    warn!(key = kv.key, "a value in Calico's etcd is not an IPReservation capo can read; skipped");
+                    None
+                }
+            }
+        };
+        let name_of = |key: &str| key.strip_prefix(ETCD_RESERVATIONS).unwrap_or(key).to_string();
+        let mut events = etcd.follow(ETCD_RESERVATIONS.to_string()).boxed();
+        while let Some(event) = events.next().await {
+            match event {
+                PrefixEvent::Listed(kvs) => self.replace(group, kvs.iter().filter_map(owned).collect()),
+                PrefixEvent::Put(kv) => match owned(&kv) {
+                    Some(view) => self.apply(group, view),
+                    None if self.get(group, &name_of(&kv.key)).is_some() => self.delete(group, name_of(&kv.key)),
+                    None => {}
+                },
+                PrefixEvent::Deleted(key) if self.get(group, &name_of(&key)).is_some() => {
+                    self.delete(group, name_of(&key))
+                }
+                PrefixEvent::Deleted(_) => {}
             }
         }
     }

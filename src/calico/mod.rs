@@ -4,13 +4,16 @@
 //! protocol ([`writer`]). Which group the cluster serves is detected the way Calico does
 //! ([`detect`]).
 
+pub mod datastore;
 mod detect;
 pub mod entry;
+pub mod etcd;
 pub mod index;
 pub mod pools;
 pub mod shards;
 mod writer;
 
+pub use datastore::Datastore;
 pub use detect::{Detected, detect_calico_api};
 pub use index::{IndexEvent, ReservationIndex, ShardKey, ShardView};
 pub use writer::{CalicoError, Reservations, is_type_not_served};

@@ -19,6 +19,9 @@ use kube::{Client, ResourceExt};
 use tokio::sync::{broadcast, watch};
 use tracing::{info, warn};
 
+use super::datastore::{ETCD_BLOCKS, ETCD_POOLS, object_of};
+use super::etcd::{Etcd, Kv, PrefixEvent};
+
 /// One IP pool as last seen.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pool {
@@ -116,7 +119,7 @@ impl Default for PoolStore {
 }
 
 /// Which watched kind a change is of.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Kind {
     Pool,
     Block,
@@ -278,6 +281,40 @@ impl PoolStore {
         }
     }
 
+    /// Keeps the store current from Calico's etcd datastore (IP pools as
+    /// `projectcalico.org/v3` objects, IPAM blocks as Calico IPAM stores them) until the
+    /// tasks are dropped.
+    pub fn watch_etcd(self: &Arc<Self>, etcd: &Etcd) -> Vec<tokio::task::JoinHandle<()>> {
+        [(Kind::Pool, ETCD_POOLS), (Kind::Block, ETCD_BLOCKS)]
+            .into_iter()
+            .map(|(kind, prefix)| {
+                let store = self.clone();
+                let mut events = etcd.follow(prefix.to_string()).boxed();
+                tokio::spawn(async move {
+                    let mut first = true;
+                    while let Some(event) = events.next().await {
+                        match event {
+                            PrefixEvent::Listed(kvs) => {
+                                let objects: Vec<DynamicObject> =
+                                    kvs.iter().filter_map(|kv| etcd_object(kind, kv)).collect();
+                                store.replace(kind, &objects);
+                                if std::mem::take(&mut first) {
+                                    info!(prefix, "pool guard: listed Calico's etcd");
+                                    store.synced.send_modify(|n| *n += 1);
+                                }
+                            }
+                            PrefixEvent::Put(kv) => match etcd_object(kind, &kv) {
+                                Some(obj) => store.apply(kind, &obj),
+                                None => store.delete(kind, etcd_name(&kv.key)),
+                            },
+                            PrefixEvent::Deleted(key) => store.delete(kind, etcd_name(&key)),
+                        }
+                    }
+                })
+            })
+            .collect()
+    }
+
     #[cfg(test)]
     pub(crate) fn put_for_test(&self, pools: &[(&str, &str)], blocks: &[(&str, &str, &[bool])]) {
         let mut inner = self.inner.write().expect("pool lock");
@@ -289,6 +326,26 @@ impl PoolStore {
         }
         for (name, cidr, allocated) in blocks {
             inner.blocks.insert(name.to_string(), Block { cidr: cidr.parse().unwrap(), allocated: allocated.to_vec() });
+        }
+    }
+}
+
+/// The last segment of an etcd key: a pool's or a block's name.
+fn etcd_name(key: &str) -> &str {
+    key.rsplit('/').next().unwrap_or(key)
+}
+
+/// A pool (a v3 object) or a block (Calico IPAM's `AllocationBlock`: `cidr` and
+/// `allocations` at the top) from Calico's etcd, in the shape the API server gives them.
+fn etcd_object(kind: Kind, kv: &Kv) -> Option<DynamicObject> {
+    match kind {
+        Kind::Pool => object_of(kv),
+        Kind::Block => {
+            let spec: serde_json::Value = serde_json::from_slice(&kv.value).ok()?;
+            let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "", "IPAMBlock"), "ipamblocks");
+            let mut obj = DynamicObject::new(etcd_name(&kv.key), &ar);
+            obj.data = serde_json::json!({ "spec": spec });
+            Some(obj)
         }
     }
 }

@@ -19,13 +19,14 @@ use std::time::Duration;
 use capo_api::CalicoApiGroup;
 use capo_api::calico::RESERVED_CIDRS;
 use capo_api::keys::{LEADER_EPOCH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL, shard_name};
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::DynamicObject;
 use kube::core::Status;
 use kube::{Client, Error as KubeError};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tracing::debug;
 
+use super::datastore::Datastore;
 use super::entry::pointer_escape;
 use super::index::{ReservationIndex, ShardView};
 use super::shards::{self, SHARD_SIZE};
@@ -109,10 +110,6 @@ fn is_too_large(s: &Status) -> bool {
     s.code == 413 || s.message.contains("too large")
 }
 
-fn json_patch(ops: Vec<Value>) -> Patch<()> {
-    Patch::Json(serde_json::from_value::<json_patch::Patch>(Value::Array(ops)).expect("static patch shape"))
-}
-
 fn label_path(key: &str) -> String {
     format!("/metadata/labels/{}", pointer_escape(key))
 }
@@ -145,7 +142,7 @@ struct Queue {
 /// capo's reservations, for holds in the active group and for the leader's work in any.
 #[derive(Clone)]
 pub struct Reservations {
-    client: Client,
+    store: Datastore,
     group: CalicoApiGroup,
     index: Arc<ReservationIndex>,
     queue: Arc<Mutex<Queue>>,
@@ -154,9 +151,15 @@ pub struct Reservations {
 }
 
 impl Reservations {
-    /// Holds go to `group`; the index is the watched copy of every served group.
+    /// Holds go to `group` in the API server; the index is the watched copy of every
+    /// served group.
     pub fn new(client: Client, group: CalicoApiGroup, index: Arc<ReservationIndex>) -> Self {
-        Self { client, group, index, queue: Default::default(), taken: Default::default() }
+        Self::in_datastore(Datastore::Kubernetes(client), group, index)
+    }
+
+    /// Holds go to `group` of `store` (Calico's etcd keeps `projectcalico.org/v3` only).
+    pub fn in_datastore(store: Datastore, group: CalicoApiGroup, index: Arc<ReservationIndex>) -> Self {
+        Self { store, group, index, queue: Default::default(), taken: Default::default() }
     }
 
     pub fn group(&self) -> CalicoApiGroup {
@@ -167,8 +170,9 @@ impl Reservations {
         &self.index
     }
 
-    fn api(&self, group: CalicoApiGroup) -> Api<DynamicObject> {
-        Api::all_with(self.client.clone(), &group.ip_reservation())
+    /// Where the reservations are kept.
+    pub fn datastore(&self) -> &Datastore {
+        &self.store
     }
 
     fn classify(&self, group: CalicoApiGroup, e: KubeError) -> CalicoError {
@@ -258,7 +262,7 @@ impl Reservations {
     pub async fn confirm(&self, name: &str, policy: &str, at: usize, entry: &str) -> Result<bool, CalicoError> {
         let mut ops = ownership(Some(policy));
         ops.push(json!({ "op": "test", "path": format!("/spec/{RESERVED_CIDRS}/{at}"), "value": entry }));
-        match self.api(self.group).patch(name, &PatchParams::default(), &json_patch(ops)).await {
+        match self.store.patch(self.group, name, ops).await {
             Ok(_) => Ok(true),
             Err(KubeError::Api(s)) if s.code == 422 || (s.code == 404 && !is_type_not_served(&s)) => Ok(false),
             Err(e) => Err(self.classify(self.group, e)),
@@ -356,7 +360,6 @@ impl Reservations {
         fence: Option<&Fence>,
         mut cidrs: BTreeSet<String>,
     ) -> Result<Vec<String>, CalicoError> {
-        let api = self.api(group);
         for attempt in 0..ATTEMPTS {
             if cidrs.is_empty() {
                 return Ok(Vec::new());
@@ -369,7 +372,7 @@ impl Reservations {
             ops.extend(
                 cidrs.iter().map(|c| json!({ "op": "add", "path": format!("/spec/{RESERVED_CIDRS}/-"), "value": c })),
             );
-            let err = match api.patch(name, &PatchParams::default(), &json_patch(ops)).await {
+            let err = match self.store.patch(group, name, ops).await {
                 Ok(written) => return Ok(ShardView::from_object(&written).entries),
                 Err(e) => e,
             };
@@ -429,7 +432,7 @@ impl Reservations {
         let epoch = fence.map_or(0, |f| f.epoch());
         obj.metadata.annotations = Some([(LEADER_EPOCH_ANNOTATION.to_string(), epoch.to_string())].into());
         obj.data = json!({ "spec": { RESERVED_CIDRS: cidrs } });
-        match self.api(group).create(&PostParams::default(), &obj).await {
+        match self.store.create(group, &obj).await {
             Ok(_) => Ok(true),
             Err(KubeError::Api(s)) if s.code == 409 => Ok(false),
             Err(KubeError::Api(s)) if s.code == 422 => Err(CalicoError::Rejected { message: s.message.clone() }),
@@ -447,7 +450,7 @@ impl Reservations {
         name: &str,
         policy: Option<&str>,
     ) -> Result<ShardView, CalicoError> {
-        let obj = self.api(group).get(name).await.map_err(|e| self.classify(group, e))?;
+        let obj = self.store.get(group, name).await.map_err(|e| self.classify(group, e))?;
         if !ShardView::is_owned(&obj) {
             return Err(CalicoError::NotOwned { name: name.to_string() });
         }
@@ -467,7 +470,7 @@ impl Reservations {
     /// Gives a capo object without an entry list an empty one (only if unchanged since
     /// read). `Ok(false)`: it changed meanwhile; read again.
     async fn ensure_list(&self, group: CalicoApiGroup, name: &str, current: &ShardView) -> Result<bool, CalicoError> {
-        let obj = self.api(group).get(name).await.map_err(|e| self.classify(group, e))?;
+        let obj = self.store.get(group, name).await.map_err(|e| self.classify(group, e))?;
         if obj.data.pointer(&format!("/spec/{RESERVED_CIDRS}")).is_some_and(Value::is_array) {
             return Ok(true);
         }
@@ -478,7 +481,7 @@ impl Reservations {
         };
         let rv = current.resource_version.clone().unwrap_or_default();
         let ops = vec![json!({ "op": "test", "path": "/metadata/resourceVersion", "value": rv }), fix];
-        match self.api(group).patch(name, &PatchParams::default(), &json_patch(ops)).await {
+        match self.store.patch(group, name, ops).await {
             Ok(_) => Ok(false),
             Err(KubeError::Api(s)) if s.code == 409 || s.code == 422 => Ok(false),
             Err(e) => Err(self.classify(group, e)),
@@ -502,7 +505,7 @@ impl Reservations {
         let mut ops = ownership(None);
         ops.push(json!({ "op": "test", "path": "/metadata/resourceVersion", "value": rv }));
         ops.push(set);
-        match self.api(group).patch(&view.name, &PatchParams::default(), &json_patch(ops)).await {
+        match self.store.patch(group, &view.name, ops).await {
             Ok(_) => Ok(()),
             // Changed meanwhile (an append), or a passing failure: the caller reads again.
             Err(KubeError::Api(s))
@@ -558,7 +561,6 @@ impl Reservations {
         let Some(mut view) = self.index.get(group, name).map(|v| (*v).clone()) else {
             return Ok(BTreeSet::new());
         };
-        let api = self.api(group);
         for attempt in 0..ATTEMPTS {
             fence.check()?;
             let epoch = fence.epoch();
@@ -590,7 +592,7 @@ impl Reservations {
             if removed.is_empty() {
                 return Ok(removed);
             }
-            match api.patch(name, &PatchParams::default(), &json_patch(ops)).await {
+            match self.store.patch(group, name, ops).await {
                 Ok(_) => return Ok(removed),
                 Err(KubeError::Api(s)) if s.code == 404 && !is_type_not_served(&s) => return Ok(BTreeSet::new()),
                 Err(KubeError::Api(s)) if matches!(s.code, 409 | 422 | 429 | 500 | 503 | 504) => {

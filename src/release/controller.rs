@@ -30,6 +30,7 @@ use super::pacer::{Leaving, Pacer, Taken};
 use super::queue::WorkQueue;
 use super::writes::{RecordFate, RecordWrites, ReleaseError};
 use super::{cap, repair};
+use crate::calico::Datastore;
 use crate::calico::pools::{PoolStore, detect_ipam_api};
 use crate::calico::{IndexEvent, ReservationIndex, Reservations, entry};
 use crate::hold::safety_net::SafetyNet;
@@ -204,8 +205,17 @@ impl ReleaseEngine {
         let workloads = Arc::new(WorkloadStore::default());
         let mut tasks = vec![tokio::spawn(records.clone().watch(self.client.clone()))];
         tasks.extend(workloads.watch(&self.client));
-        let pools = match detect_ipam_api(&self.client).await {
-            Some(api_version) => {
+        let pools = match self.reservations.datastore() {
+            Datastore::Etcd(etcd) => {
+                info!(
+                    max_pool_share = self.settings.max_pool_share,
+                    "pool guard: watching Calico's IP pools in its etcd"
+                );
+                let store = Arc::new(PoolStore::default());
+                tasks.extend(store.watch_etcd(etcd));
+                Some(store)
+            }
+            Datastore::Kubernetes(_) => detect_ipam_api(&self.client).await.map(|api_version| {
                 info!(
                     api_version,
                     max_pool_share = self.settings.max_pool_share,
@@ -213,13 +223,12 @@ impl ReleaseEngine {
                 );
                 let store = Arc::new(PoolStore::default());
                 tasks.extend(store.watch(&self.client, &api_version));
-                Some(store)
-            }
-            None => {
-                info!("pool guard: Calico's IPAM blocks are not served here; no pool guard");
-                None
-            }
+                store
+            }),
         };
+        if pools.is_none() {
+            info!("pool guard: Calico's IPAM blocks are not served here; no pool guard");
+        }
         let _abort = AbortOnDrop(tasks);
         // Subscribed before anything is listed, so no change is missed.
         let rx = Receivers {

@@ -23,6 +23,7 @@ pub use capo_testenv::TestNamespace;
 pub mod argocd;
 pub mod audit;
 pub mod calico;
+pub mod etcd;
 pub mod faults;
 pub mod leading;
 pub mod plane;
@@ -197,6 +198,7 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
             timeout_seconds: 10,
         }),
         calico_api: calico,
+        calico_etcd: None,
         excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
         max_review_time: Duration::from_secs(10),
         field_manager: "capo".into(),
@@ -495,6 +497,7 @@ pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings 
         inject_ca_bundle: Some("capo".into()),
         self_register: None,
         calico_api: Some(CalicoApiGroup::CrdV1),
+        calico_etcd: None,
         excluded_namespaces: vec!["capo-system".into(), "kube-system".into()],
         max_review_time: Duration::from_secs(10),
         field_manager: "capo".into(),

@@ -4,11 +4,15 @@
 
 use std::path::PathBuf;
 
+use capo_testenv::{Calico, CalicoEtcd};
+
 type Request = (String, std::sync::mpsc::Sender<Result<(), String>>);
 
 pub struct PrivatePlane {
     pub kubeconfig: PathBuf,
     pub state_dir: PathBuf,
+    /// Calico's etcd, with [`Calico::Etcd`].
+    pub calico_etcd: Option<CalicoEtcd>,
     requests: Option<std::sync::mpsc::Sender<Request>>,
     owner: Option<std::thread::JoinHandle<()>>,
 }
@@ -26,6 +30,11 @@ impl Drop for PrivatePlane {
 /// Starts a control plane named `name` with one kwok node; `audit` writes
 /// `<state_dir>/audit.log` (see [`super::audit`]).
 pub fn private_plane(name: &str, audit: bool) -> PrivatePlane {
+    private_plane_with(name, audit, Calico::Kubernetes)
+}
+
+/// [`private_plane`] with Calico's IPAM on the given datastore.
+pub fn private_plane_with(name: &str, audit: bool, calico: Calico) -> PrivatePlane {
     let (requests, rx) = std::sync::mpsc::channel::<Request>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
@@ -33,14 +42,14 @@ pub fn private_plane(name: &str, audit: bool) -> PrivatePlane {
     let owner = std::thread::spawn(move || {
         let mut opts = capo_testenv::Options::new(dir.clone(), 1);
         opts.audit = audit;
-        let mut cp = match capo_testenv::ControlPlane::start(opts) {
+        let mut cp = match capo_testenv::ControlPlane::start_with(opts, calico) {
             Ok(cp) => cp,
             Err(e) => {
                 let _ = ready_tx.send(Err(e.to_string()));
                 return;
             }
         };
-        let _ = ready_tx.send(Ok(cp.kubeconfig.clone()));
+        let _ = ready_tx.send(Ok((cp.kubeconfig.clone(), cp.calico_etcd.clone())));
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         while let Ok((component, reply)) = rx.recv() {
             let _ = reply.send(rt.block_on(cp.restart(&component)).map_err(|e| e.to_string()));
@@ -48,8 +57,8 @@ pub fn private_plane(name: &str, audit: bool) -> PrivatePlane {
         cp.stop();
         let _ = std::fs::remove_dir_all(&dir);
     });
-    let kubeconfig = ready_rx.recv().unwrap().unwrap_or_else(|e| panic!("private control plane: {e}"));
-    PrivatePlane { kubeconfig, state_dir, requests: Some(requests), owner: Some(owner) }
+    let (kubeconfig, calico_etcd) = ready_rx.recv().unwrap().unwrap_or_else(|e| panic!("private control plane: {e}"));
+    PrivatePlane { kubeconfig, state_dir, calico_etcd, requests: Some(requests), owner: Some(owner) }
 }
 
 impl PrivatePlane {
