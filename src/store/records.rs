@@ -32,6 +32,14 @@ struct Inner {
     by_controller: HashMap<(String, String, String), BTreeSet<String>>,
 }
 
+/// A record as the leader keeps it: without `managedFields`, which it never reads and
+/// which the API server's field tracking makes the largest part of a record in memory
+/// (a tree of values per writer: the webhook's create, the leader's status writes).
+pub fn trim(mut record: ReservedIP) -> ReservedIP {
+    record.metadata.managed_fields = None;
+    record
+}
+
 /// (namespace, pod name), policy, namespace, (namespace, controller kind, controller name).
 type RecordKeys = ((String, String), String, String, Option<(String, String, String)>);
 
@@ -166,7 +174,7 @@ impl RecordIndex {
         let mut listing = Vec::new();
         guarded_watch("reservedips", api, watcher::Config::default(), |change| match change {
             Change::Restart => listing.clear(),
-            Change::Apply { object, initial: true } => listing.push(Arc::new(object)),
+            Change::Apply { object, initial: true } => listing.push(Arc::new(trim(object))),
             Change::Listed => {
                 let mut fresh = Inner::default();
                 for r in listing.drain(..) {
@@ -178,7 +186,7 @@ impl RecordIndex {
             }
             Change::Apply { object, initial: false } => {
                 let name = object.name_any();
-                let after = Arc::new(object);
+                let after = Arc::new(trim(object));
                 let before = self.inner.write().expect("record index lock").insert(after.clone());
                 let _ = self.events.send(RecordEvent::Changed { name, before, after: Some(after) });
             }
@@ -190,5 +198,37 @@ impl RecordIndex {
             Change::Invalid(_) | Change::Failed(_) => {}
         })
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// What the leader reads of a record survives the trim; the field tracking does not.
+    #[test]
+    fn a_kept_record_has_everything_but_its_managed_fields() {
+        let whole: ReservedIP = serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP",
+            "metadata": { "name": "10.0.0.1", "uid": "u1", "resourceVersion": "7",
+                "creationTimestamp": "2026-11-25T05:00:00Z",
+                "managedFields": [{ "manager": "capo", "operation": "Update", "apiVersion": "capo.io/v1alpha1",
+                    "fieldsType": "FieldsV1", "fieldsV1": { "f:spec": { "f:ip": {} } } }] },
+            "spec": { "ip": "10.0.0.1", "cidr": "10.0.0.1/32", "reservation": "capo-p",
+                "calicoApiGroup": "crd.projectcalico.org/v1", "policy": "p",
+                "pod": { "namespace": "ns", "name": "redis-0", "uid": "pod-uid" },
+                "trigger": "Delete", "reservedAt": "2026-11-25T05:00:00.000000Z", "reserveFor": "40m" },
+            "status": { "podGoneAt": "2026-11-25T05:00:01.000000Z", "releaseAt": "2026-11-25T05:40:01.000000Z" },
+        }))
+        .unwrap();
+        let kept = trim(whole.clone());
+        assert!(kept.metadata.managed_fields.is_none());
+        assert_eq!(kept.spec, whole.spec);
+        assert_eq!(kept.status, whole.status);
+        assert_eq!(
+            (kept.metadata.uid, kept.metadata.resource_version, kept.metadata.creation_timestamp),
+            (whole.metadata.uid, whole.metadata.resource_version, whole.metadata.creation_timestamp)
+        );
     }
 }
