@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -108,6 +109,46 @@ fn the_chart_and_kustomize_grant_the_same_rbac_and_register_the_same_webhooks() 
         2,
         "with cert-manager capo gets no rights on Secrets or its webhook: {cert_manager:?}"
     );
+}
+
+/// kustomize's `config/calico-etcd` Component (in an overlay as a user writes one: their
+/// endpoints in a ConfigMap) grants what the chart grants with `calico.datastore: etcdv3`
+/// (no rights on Calico's objects) and gives capo the same settings and mount.
+#[test]
+fn the_calico_etcd_component_matches_the_charts_etcd_datastore() {
+    let dir = std::env::temp_dir().join(format!("capo-overlay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // kustomize takes only relative paths to other directories.
+    let up = "../".repeat(dir.components().count() - 1);
+    let rel = |p: &str| format!("{up}{}", repo(p).display().to_string().trim_start_matches('/'));
+    let overlay = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: capo-system\n\
+         resources: [{}]\ncomponents: [{}]\nconfigMapGenerator:\n\
+         - {{name: capo-calico-etcd, literals: [etcd_endpoints=https://10.0.0.1:2379], options: {{disableNameSuffixHash: true}}}}\n",
+        rel("config/default"),
+        rel("config/calico-etcd")
+    );
+    std::fs::write(dir.join("kustomization.yaml"), overlay).unwrap();
+    let rendered = run(Command::new("kubectl").args(["kustomize", dir.to_str().unwrap()]));
+    let _ = std::fs::remove_dir_all(&dir);
+    let kustomize = docs(&rendered);
+    let chart = docs(&template(&["--set", "calico.datastore=etcdv3,calico.etcd.endpoints=https://10.0.0.1:2379"]));
+    compare(&chart, &kustomize, "config/calico-etcd");
+    assert!(!serde_json::to_string(&rbac(&kustomize)).unwrap().contains("projectcalico.org"));
+    let pod = &find(&kustomize, "Deployment", "capo")["spec"]["template"]["spec"];
+    let env: BTreeMap<String, Value> = pod["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap().to_string(), e.get("value").or(e.get("valueFrom")).cloned().unwrap()))
+        .collect();
+    assert_eq!(env["DATASTORE_TYPE"], "etcdv3");
+    assert_eq!(env["ETCD_ENDPOINTS"]["configMapKeyRef"]["name"], "capo-calico-etcd");
+    assert_eq!(env["ETCD_KEY_FILE"], "/calico-secrets/etcd-key");
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "calico-etcd").expect("volume");
+    assert_eq!(volume["secret"]["secretName"], "calico-etcd-secrets");
+    let cm = find(&kustomize, "ConfigMap", "capo-calico-etcd");
+    assert_eq!(cm["data"]["etcd_endpoints"], "https://10.0.0.1:2379");
 }
 
 fn compare(chart: &[Value], kustomize: &[Value], overlay: &str) {
