@@ -148,30 +148,14 @@ impl App {
         let namespaces = Arc::new(NamespaceStore::default());
         let index = Arc::new(ReservationIndex::default());
         let matcher: SharedMatcher = Arc::new(ArcSwap::from_pointee(Matcher::default()));
-        let (datastore, leader_datastore, calico) = match &settings.calico_etcd {
-            // Calico's etcd keeps projectcalico.org/v3 objects only.
-            Some(config) => {
-                let etcd = Etcd::new(config)?;
-                info!(endpoints = %etcd.endpoints(), "Calico's datastore: etcd");
-                let v3 = Detected { chosen: CalicoApiGroup::V3, served: vec![CalicoApiGroup::V3] };
-                (Datastore::Etcd(etcd.clone()), Datastore::Etcd(etcd), v3)
-            }
-            None => (
-                Datastore::Kubernetes(client.clone()),
-                Datastore::Kubernetes(leader_client.clone()),
-                detect_calico_api(&client, settings.calico_api).await,
-            ),
-        };
-        let calico_api = calico.chosen;
-        let mut watched = calico.served.clone();
-        if !watched.contains(&calico_api) {
-            watched.push(calico_api);
-        }
+        let calico = calico_datastore(&client, &leader_client, &settings).await?;
+        let calico_api = calico.detected.chosen;
+        let watched = calico.watched();
         let mut tasks = Tasks(vec![
             tokio::spawn(namespaces.clone().watch(client.clone(), readiness.clone())),
             tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
         ]);
-        match &datastore {
+        match &calico.store {
             Datastore::Etcd(etcd) => tasks.push(tokio::spawn(index.clone().watch_etcd(etcd.clone()))),
             Datastore::Kubernetes(_) => {
                 for group in &watched {
@@ -184,7 +168,7 @@ impl App {
             let index = index.clone();
             Arc::new(move || index.all().values().filter_map(|(_, v)| v.epoch).max().unwrap_or(0))
         };
-        let (election, fence) = elect(&settings, &leader_client, &index, &calico.served, floor).await?;
+        let (election, fence) = elect(&settings, &leader_client, &index, &calico.detected.served, floor).await?;
         let (policy_changes, _) = tokio::sync::broadcast::channel(64);
         tasks.push(tokio::spawn(
             PolicyController::new(
@@ -201,7 +185,7 @@ impl App {
 
         let (serving, ca_pem, cert_watcher) = serving_cert(&client, &settings, &metrics, &mut tasks).await?;
 
-        let reservations = Reservations::in_datastore(datastore, calico_api, index.clone());
+        let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone());
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
             pods: pods.clone(),
@@ -236,7 +220,7 @@ impl App {
         if let (Some(release), Some(fence)) = (&settings.release, &fence) {
             let engine = ReleaseEngine {
                 client: leader_client.clone(),
-                reservations: Reservations::in_datastore(leader_datastore, calico_api, index.clone()),
+                reservations: Reservations::in_datastore(calico.leader_store.clone(), calico_api, index.clone()),
                 served: watched.clone(),
                 pods: pods.clone(),
                 namespaces: namespaces.clone(),
@@ -286,6 +270,51 @@ impl App {
             server.shutdown(Duration::from_secs(5)).await;
         }
     }
+}
+
+/// Where capo's reservations are, and in which Calico API group.
+struct CalicoDatastore {
+    /// For holds (every replica).
+    store: Datastore,
+    /// For the leader's writes (its client has no retry layer).
+    leader_store: Datastore,
+    detected: Detected,
+}
+
+impl CalicoDatastore {
+    /// The groups watched: every served one, and the one holds go to.
+    fn watched(&self) -> Vec<CalicoApiGroup> {
+        let mut watched = self.detected.served.clone();
+        if !watched.contains(&self.detected.chosen) {
+            watched.push(self.detected.chosen);
+        }
+        watched
+    }
+}
+
+/// Calico's etcd when configured (it keeps `projectcalico.org/v3` objects only), else the
+/// API server with the group detected the way Calico detects it.
+async fn calico_datastore(
+    client: &Client,
+    leader_client: &Client,
+    settings: &Settings,
+) -> Result<CalicoDatastore, AppError> {
+    Ok(match &settings.calico_etcd {
+        Some(config) => {
+            let etcd = Etcd::new(config)?;
+            info!(endpoints = %etcd.endpoints(), "Calico's datastore: etcd");
+            CalicoDatastore {
+                store: Datastore::Etcd(etcd.clone()),
+                leader_store: Datastore::Etcd(etcd),
+                detected: Detected { chosen: CalicoApiGroup::V3, served: vec![CalicoApiGroup::V3] },
+            }
+        }
+        None => CalicoDatastore {
+            store: Datastore::Kubernetes(client.clone()),
+            leader_store: Datastore::Kubernetes(leader_client.clone()),
+            detected: detect_calico_api(client, settings.calico_api).await,
+        },
+    })
 }
 
 /// Takes part in the election (or, without one, leads once the reservations are read).

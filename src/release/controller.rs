@@ -199,36 +199,35 @@ fn pod_ref(namespace: &str, name: &str, uid: &str) -> ObjectReference {
 }
 
 impl ReleaseEngine {
+    /// The pool guard's store of Calico's pools and IPAM blocks, watched from wherever Calico
+    /// keeps them (`None`: they are not served here, no pool guard).
+    async fn pool_guard(&self, tasks: &mut Vec<tokio::task::JoinHandle<()>>) -> Option<Arc<PoolStore>> {
+        let store = Arc::new(PoolStore::default());
+        let share = self.settings.max_pool_share;
+        match self.reservations.datastore() {
+            Datastore::Etcd(etcd) => {
+                info!(max_pool_share = share, "pool guard: watching Calico's IP pools in its etcd");
+                tasks.extend(store.watch_etcd(etcd));
+            }
+            Datastore::Kubernetes(_) => {
+                let Some(api_version) = detect_ipam_api(&self.client).await else {
+                    info!("pool guard: Calico's IPAM blocks are not served here; no pool guard");
+                    return None;
+                };
+                info!(api_version, max_pool_share = share, "pool guard: watching Calico's IP pools");
+                tasks.extend(store.watch(&self.client, &api_version));
+            }
+        }
+        Some(store)
+    }
+
     /// Runs until this replica stops leading.
     pub async fn run(&self, fence: Fence) {
         let records = Arc::new(RecordIndex::default());
         let workloads = Arc::new(WorkloadStore::default());
         let mut tasks = vec![tokio::spawn(records.clone().watch(self.client.clone()))];
         tasks.extend(workloads.watch(&self.client));
-        let pools = match self.reservations.datastore() {
-            Datastore::Etcd(etcd) => {
-                info!(
-                    max_pool_share = self.settings.max_pool_share,
-                    "pool guard: watching Calico's IP pools in its etcd"
-                );
-                let store = Arc::new(PoolStore::default());
-                tasks.extend(store.watch_etcd(etcd));
-                Some(store)
-            }
-            Datastore::Kubernetes(_) => detect_ipam_api(&self.client).await.map(|api_version| {
-                info!(
-                    api_version,
-                    max_pool_share = self.settings.max_pool_share,
-                    "pool guard: watching Calico's IP pools"
-                );
-                let store = Arc::new(PoolStore::default());
-                tasks.extend(store.watch(&self.client, &api_version));
-                store
-            }),
-        };
-        if pools.is_none() {
-            info!("pool guard: Calico's IPAM blocks are not served here; no pool guard");
-        }
+        let pools = self.pool_guard(&mut tasks).await;
         let _abort = AbortOnDrop(tasks);
         // Subscribed before anything is listed, so no change is missed.
         let rx = Receivers {
