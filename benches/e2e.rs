@@ -510,7 +510,7 @@ async fn main() {
          kube-apiserver, etcd, controller-manager, scheduler and kwok from `hack/`, capo as its own process, \
          one replica leading, all on this machine ({cores} cores). One run; {n} sequential samples per latency \
          row, storms of {storm_n} Pods deleted 50 at a time. Pods are unscheduled, so a DELETE completes at once \
-         and only the admission path differs between rows. Policies have `maxReserved: 12000` (12 shards).\n"
+         and only the admission path differs between rows. Policies have `maxReserved: 12000` (24 shards).\n"
     );
     let _ = writeln!(doc, "| measurement | p50 | p99 |\n| --- | --- | --- |");
     for (what, s) in [

@@ -78,7 +78,7 @@ async fn delete_all(client: &Client, ns: &str, prefix: &str, n: usize) {
 
 /// A policy with room for 25,000 holds (one object fits about 80,000 at most, and every
 /// hold would rewrite it) holds 2,000 IPs (`CAPO_SCALE_HOLDS`; 20,000 by hand takes about
-/// 20 minutes on 2 cores, creating and deleting the Pods): they are spread over its 25 shards, none
+/// 20 minutes on 2 cores, creating and deleting the Pods): they are spread over its 50 shards, none
 /// above its bound, and all released on schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_schedule() {
@@ -103,7 +103,7 @@ async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_sched
     let layout = shards(&client, &policy).await;
     let total: usize = layout.iter().map(|(_, c)| c).sum();
     assert!(total <= n - before, "{total} entries for {n} holds of which {before} were released: {layout:?}");
-    assert!(layout.len() >= 20, "spread over the policy's 25 shards: {layout:?}");
+    assert!(layout.len() >= 20, "spread over the policy's 50 shards: {layout:?}");
     let biggest = layout.iter().map(|(_, c)| *c).max().unwrap();
     assert!(biggest <= SHARD_SIZE, "a shard above its bound of {SHARD_SIZE}: {layout:?}");
     eprintln!("shards: {} of at most {biggest} entries", layout.len());
