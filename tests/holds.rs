@@ -222,7 +222,8 @@ async fn two_hundred_concurrent_deletions_are_all_held() {
     let (client, ns) = setup("hold-200").await;
     let capo = start_capo(&client, &[&ns.name], None).await;
     let policy = format!("{}-p", ns.name);
-    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {}, "maxReserved": 1000 })).await;
+    // One shard (⌈500 / 500⌉): all 200 appends race for one object.
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {}, "maxReserved": 500 })).await;
     let pods: Vec<(String, IpAddr)> = (0..200).map(|i| (format!("p-{i}"), Ips::v4())).collect();
     futures::stream::iter(pods.iter().cloned())
         .for_each_concurrent(16, |(name, ip)| {

@@ -185,7 +185,7 @@ async fn holds_in_the_single_reservation_of_earlier_versions_are_released_from_w
         &client,
         &policy,
         &ns.name,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "8s", "maxReserved": 5000,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "8s", "maxReserved": 2500,
                 "releaseInterval": "100ms", "releaseBatch": 1000 }),
     )
     .await;
@@ -195,7 +195,7 @@ async fn holds_in_the_single_reservation_of_earlier_versions_are_released_from_w
     assert!(layout.len() >= 3, "new holds spread over the shards: {layout:?}");
     for ip in &new {
         let rec = record(&client, *ip).await.expect("held");
-        let home = capo::calico::shards::home(&cidr(*ip), 5);
+        let home = capo::calico::shards::home(&cidr(*ip), capo::calico::shards::count(2500));
         assert_eq!(rec.spec.reservation, capo_api::keys::shard_name(&policy, home), "{ip} in its home shard");
     }
     // The old holds are released from the old object, on schedule.
