@@ -279,6 +279,14 @@ impl Etcd {
                 match answer {
                     Ok((status, bytes)) => {
                         self.current.store(at, Ordering::Relaxed);
+                        if status == hyper::StatusCode::NOT_FOUND {
+                            return Err(EtcdError::Refused {
+                                op,
+                                message: format!(
+                                    "{endpoint}{path} answered HTTP 404: is it etcd, with its JSON gateway on (etcd 3.4 or later, --enable-grpc-gateway)?"
+                                ),
+                            });
+                        }
                         let value: Value = serde_json::from_slice(&bytes)
                             .map_err(|e| EtcdError::Decode { op, message: format!("{e} (HTTP {status})") })?;
                         if !status.is_success() {
@@ -528,6 +536,26 @@ mod tests {
         let missing = EtcdConfig { ca_cert_file: Some("/nonexistent/ca.pem".into()), ..cfg("https://127.0.0.1:2379") };
         let err = Etcd::new(&missing).err().unwrap().to_string();
         assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    /// An endpoint that answers, but not as etcd's gateway does (the gateway switched off,
+    /// or not etcd at all), gets a message that says so instead of a decoding error.
+    #[tokio::test]
+    async fn an_endpoint_without_the_gateway_is_named_as_such() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+                let _ =
+                    conn.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 19\r\n\r\n404 page not found\n").await;
+            }
+        });
+        let etcd = Etcd::new(&EtcdConfig { endpoints: vec![format!("http://{addr}")], ..Default::default() }).unwrap();
+        let err = etcd.get("/x").await.unwrap_err().to_string();
+        assert!(err.contains("gateway") && err.contains("404"), "{err}");
     }
 
     /// A call to an etcd that is not there says which endpoints it tried, within its bound.
