@@ -149,7 +149,10 @@ fn main() {
     let ctx = RequestContext { namespace_labels: &ns, namespace_terminating: false, by_garbage_collector: false };
     println!("pod JSON: {} bytes", bytes.len());
     let facts = PodFacts::from_json(&pod).unwrap();
-    println!("a Pod kept as the Pod store keeps it:    {:>8.0} bytes", kept_bytes(|| PodFacts::from_json(&pod).unwrap()));
+    println!(
+        "a Pod kept as the Pod store keeps it:    {:>8.0} bytes",
+        kept_bytes(|| PodFacts::from_json(&pod).unwrap())
+    );
     let parse = median_ns(20_000, || {
         let v: serde_json::Value = serde_json::from_slice(black_box(&bytes)).unwrap();
         black_box(PodFacts::from_json(&v).unwrap());
