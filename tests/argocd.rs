@@ -68,12 +68,12 @@ fn health(obj: &Value) -> (String, String) {
 #[test]
 fn the_capopolicy_health_check_passes_its_argo_cd_tests() {
     let tests: Value =
-        serde_norway::from_str(&std::fs::read_to_string(dir().join("health_test.yaml")).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(dir().join("health_test.yaml")).unwrap()).unwrap();
     let cases = tests["tests"].as_array().unwrap();
     assert!(cases.len() >= 4);
     for case in cases {
         let input = case["inputPath"].as_str().unwrap();
-        let obj: Value = serde_norway::from_str(&std::fs::read_to_string(dir().join(input)).unwrap()).unwrap();
+        let obj: Value = serde_saphyr::from_str(&std::fs::read_to_string(dir().join(input)).unwrap()).unwrap();
         let (status, message) = health(&obj);
         assert_eq!(status, case["healthStatus"]["status"].as_str().unwrap(), "{input}");
         assert_eq!(message, case["healthStatus"]["message"].as_str().unwrap(), "{input}");
@@ -84,7 +84,7 @@ fn the_capopolicy_health_check_passes_its_argo_cd_tests() {
 fn the_argocd_cm_patch_carries_exactly_the_tested_script() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let patch: Value =
-        serde_norway::from_str(&std::fs::read_to_string(root.join("argocd/argocd-cm-patch.yaml")).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(root.join("argocd/argocd-cm-patch.yaml")).unwrap()).unwrap();
     let embedded = patch["data"]["resource.customizations.health.capo.io_CapoPolicy"].as_str().unwrap();
     let script = std::fs::read_to_string(dir().join("health.lua")).unwrap();
     assert_eq!(embedded, script, "argocd/argocd-cm-patch.yaml drifted from health.lua");
@@ -92,7 +92,7 @@ fn the_argocd_cm_patch_carries_exactly_the_tested_script() {
 
 fn yaml_docs(text: &str) -> Vec<Value> {
     text.split("\n---")
-        .filter_map(|d| serde_norway::from_str::<Value>(d).ok())
+        .filter_map(|d| serde_saphyr::from_str::<Value>(d).ok())
         .filter(|v| v.get("kind").is_some())
         .collect()
 }
@@ -138,7 +138,7 @@ fn argo_cd_syncs_crds_then_the_controller_then_the_webhook_then_the_policies() {
         assert_eq!(wave(of("Deployment")[0]), "-1", "{source}");
         assert_eq!(wave(of("ValidatingWebhookConfiguration")[0]), "0", "{source}");
     }
-    let read = |p: &str| -> Value { serde_norway::from_str(&std::fs::read_to_string(root.join(p)).unwrap()).unwrap() };
+    let read = |p: &str| -> Value { serde_saphyr::from_str(&std::fs::read_to_string(root.join(p)).unwrap()).unwrap() };
     let policies = read("argocd/policies.yaml");
     assert_eq!(wave(&policies), "1");
     let options: Vec<&str> =
@@ -147,7 +147,7 @@ fn argo_cd_syncs_crds_then_the_controller_then_the_webhook_then_the_policies() {
     // Argo CD reads the folder's YAML files (its README keeps the folder in git).
     let files = std::fs::read_dir(root.join("argocd/policies")).unwrap().map(|e| e.unwrap().path());
     for path in files.filter(|p| p.extension().is_some_and(|e| e == "yaml")) {
-        let policy: Value = serde_norway::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let policy: Value = serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         assert_eq!(wave(&policy), "1", "{}", policy["metadata"]["name"]);
     }
     for app in ["argocd/capo.yaml", "argocd/capo-helm.yaml"] {

@@ -68,7 +68,7 @@ fn rbac(docs: &[Value]) -> Vec<(String, String, Value)> {
 
 fn docs(yaml: &str) -> Vec<Value> {
     yaml.split("\n---")
-        .filter_map(|d| serde_norway::from_str::<Value>(d).ok())
+        .filter_map(|d| serde_saphyr::from_str::<Value>(d).ok())
         .filter(|v| v.get("kind").is_some())
         .collect()
 }
@@ -174,9 +174,9 @@ fn the_chart_copies_of_the_cel_filter_and_the_alerts_are_current() {
     let cel = std::fs::read_to_string(repo("charts/capo/files/match-condition.cel")).unwrap();
     assert_eq!(cel.trim(), capo::webhook_config::MATCH_CONDITION, "run `make crds`");
     let alerts: Value =
-        serde_norway::from_str(&std::fs::read_to_string(repo("charts/capo/files/alerts.yaml")).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(repo("charts/capo/files/alerts.yaml")).unwrap()).unwrap();
     let rule: Value =
-        serde_norway::from_str(&std::fs::read_to_string(repo("config/prometheus/prometheus_rule.yaml")).unwrap())
+        serde_saphyr::from_str(&std::fs::read_to_string(repo("config/prometheus/prometheus_rule.yaml")).unwrap())
             .unwrap();
     assert_eq!(alerts, rule["spec"], "run `make crds`");
 }

@@ -297,7 +297,7 @@ impl Policies {
         let repo = GitRepo::with_capo_layout(ns);
         repo.remove("argocd/policies/statefulsets.yaml");
         for (file, policy) in files {
-            repo.write(&format!("argocd/policies/{file}"), &serde_norway::to_string(policy).unwrap());
+            repo.write(&format!("argocd/policies/{file}"), &serde_saphyr::to_string(policy).unwrap());
         }
         repo.commit_and_push("this test's policies");
         let mut app = repo.yaml("argocd/policies.yaml");
@@ -512,7 +512,7 @@ async fn a_new_reserve_for_applies_to_the_next_hold_and_not_to_earlier_ones() {
     let (first, before) = held(&client, &ns.name, "redis-0").await;
     assert_eq!(before.spec.reserve_for, "1m");
 
-    let file = serde_norway::to_string(&policy(&name, &ns.name, spec("3s"))).unwrap();
+    let file = serde_saphyr::to_string(&policy(&name, &ns.name, spec("3s"))).unwrap();
     let commit = policies.commit(&argo, "reserveFor: 3s", |r| r.write("argocd/policies/p.yaml", &file)).await;
     argo.wait_synced_healthy(&policies.app, Some(&commit), SYNC_LIMIT).await;
     let live = wait_policy_ready(&client, &name, Some(2), "True").await;
@@ -553,7 +553,7 @@ async fn an_invalid_policy_fails_the_sync_with_the_api_servers_message_and_chang
     let generation = Api::<CapoPolicy>::all(client.clone()).get(&name).await.unwrap().metadata.generation;
 
     let bad = format!("{}-bad", ns.name);
-    let file = serde_norway::to_string(&policy(&bad, &ns.name, json!({ "podSelector": {}, "reserveFor": "forever" })))
+    let file = serde_saphyr::to_string(&policy(&bad, &ns.name, json!({ "podSelector": {}, "reserveFor": "forever" })))
         .unwrap();
     let commit = policies.commit(&argo, "a bad policy", |r| r.write("argocd/policies/bad.yaml", &file)).await;
     let status = argo

@@ -8,10 +8,10 @@ use std::path::Path;
 fn the_alerts_pass_promtool_tests() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/prometheus");
     let rule: serde_json::Value =
-        serde_norway::from_str(&std::fs::read_to_string(root.join("prometheus_rule.yaml")).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(root.join("prometheus_rule.yaml")).unwrap()).unwrap();
     let dir = std::env::temp_dir().join(format!("capo-promtool-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("rules.yaml"), serde_norway::to_string(&rule["spec"]).unwrap()).unwrap();
+    std::fs::write(dir.join("rules.yaml"), serde_saphyr::to_string(&rule["spec"]).unwrap()).unwrap();
     std::fs::copy(root.join("rules_test.yaml"), dir.join("rules_test.yaml")).unwrap();
     let check = std::process::Command::new("promtool")
         .args(["check", "rules", "rules.yaml"])
@@ -38,9 +38,9 @@ fn the_alerts_pass_promtool_tests() {
 fn every_alert_has_a_test_in_which_it_fires() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/prometheus");
     let rule: serde_json::Value =
-        serde_norway::from_str(&std::fs::read_to_string(root.join("prometheus_rule.yaml")).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(root.join("prometheus_rule.yaml")).unwrap()).unwrap();
     let tests: serde_json::Value =
-        serde_norway::from_str(&std::fs::read_to_string(root.join("rules_test.yaml")).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(root.join("rules_test.yaml")).unwrap()).unwrap();
     let firing: Vec<&str> = tests["tests"]
         .as_array()
         .unwrap()

@@ -456,11 +456,11 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     assert_eq!(code, 2, "a bad duration is a usage error: {err}");
 
     // A user with no rights on capo's objects gets a clear "permission denied", exit 4.
-    let mut kc: serde_norway::Value =
-        serde_norway::from_str(&std::fs::read_to_string(&capo_testenv::shared().kubeconfig).unwrap()).unwrap();
+    let mut kc: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(&capo_testenv::shared().kubeconfig).unwrap()).unwrap();
     kc["users"][0]["user"]["as"] = "capo-test-nobody".into();
     let nobody = std::env::temp_dir().join(format!("capo-nobody-{}.kubeconfig", ns.name));
-    std::fs::write(&nobody, serde_norway::to_string(&kc).unwrap()).unwrap();
+    std::fs::write(&nobody, serde_saphyr::to_string(&kc).unwrap()).unwrap();
     for args in [vec!["holds"], vec!["policies"], vec!["release", &b_ip]] {
         let (code, _, err) = capo_cli_as(&nobody, &args).await;
         assert_eq!(code, 4, "{args:?}: {err}");

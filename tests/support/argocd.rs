@@ -140,7 +140,7 @@ impl GitRepo {
 
     /// A YAML file of the work tree as JSON.
     pub fn yaml(&self, rel: &str) -> Value {
-        serde_norway::from_str(&self.read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+        serde_saphyr::from_str(&self.read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
     }
 
     /// Commits everything and pushes it to `main`; returns the commit.

@@ -318,7 +318,7 @@ async fn install_crds(client: &Client, dir: &Path) -> Result<(), Error> {
     files.sort();
     for path in files {
         let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-        let crd: CustomResourceDefinition = serde_norway::from_str(&text)
+        let crd: CustomResourceDefinition = serde_saphyr::from_str(&text)
             .map_err(|e| Error::Kubeconfig { path: path.clone(), message: format!("not a CRD: {e}") })?;
         let name = crd.name_any();
         api.patch(&name, &PatchParams::apply("capo-testenv").force(), &Patch::Apply(crd)).await?;

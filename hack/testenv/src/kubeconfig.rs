@@ -24,6 +24,6 @@ pub fn write(path: &Path, server: &str, pki: &Pki) -> Result<(), Error> {
         "contexts": [{ "name": "capo-testenv", "context": { "cluster": "capo-testenv", "user": "admin" } }],
         "current-context": "capo-testenv",
     });
-    let yaml = serde_norway::to_string(&config).expect("kubeconfig serializes");
+    let yaml = serde_saphyr::to_string(&config).expect("kubeconfig serializes");
     std::fs::write(path, yaml).map_err(|source| Error::Io { path: path.to_path_buf(), source })
 }

@@ -680,7 +680,6 @@ const KWOK_POD_STAGES: &str = include_str!("../kwok-pod-stages.yaml");
 /// `CAPO_TESTENV_KWOK_STAGES` names a file to use instead, as it is (to compare with
 /// kwok's own Pod stages, say).
 fn kwok_stages(from: &Path, to: &Path) -> Result<(), Error> {
-    use serde::Deserialize;
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| Error::Io { path, source }
@@ -691,11 +690,11 @@ fn kwok_stages(from: &Path, to: &Path) -> Result<(), Error> {
     }
     let kwok = std::fs::read_to_string(from).map_err(io(from))?;
     let mut out = String::new();
-    for doc in serde_norway::Deserializer::from_str(&kwok) {
-        let stage = serde_json::Value::deserialize(doc)
-            .map_err(|e| Error::KwokStages { path: from.to_path_buf(), message: e.to_string() })?;
+    let stages: Vec<serde_json::Value> = serde_saphyr::from_str_multiple(&kwok)
+        .map_err(|e| Error::KwokStages { path: from.to_path_buf(), message: e.to_string() })?;
+    for stage in stages {
         if stage["spec"]["resourceRef"]["kind"] == "Node" {
-            let yaml = serde_norway::to_string(&stage).expect("a JSON value serializes");
+            let yaml = serde_saphyr::to_string(&stage).expect("a JSON value serializes");
             out.push_str("---\n");
             out.push_str(&yaml);
         }
