@@ -11,7 +11,7 @@ pub struct PodFacts {
     pub namespace: String,
     pub name: String,
     pub uid: String,
-    pub labels: BTreeMap<String, String>,
+    pub labels: capo_api::Labels,
     /// Only capo's own annotations (`capo.io/...`) are kept.
     pub annotations: BTreeMap<String, String>,
     /// The controller owner reference: (kind, name).
@@ -66,7 +66,7 @@ struct MetaWire {
     namespace: String,
     uid: String,
     resource_version: Option<String>,
-    labels: BTreeMap<String, String>,
+    labels: capo_api::Labels,
     annotations: BTreeMap<String, String>,
     owner_references: Vec<OwnerWire>,
     deletion_timestamp: Option<String>,
@@ -172,7 +172,7 @@ impl PodFacts {
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone().unwrap_or_default(),
             uid: meta.uid.clone().unwrap_or_default(),
-            labels: meta.labels.clone().unwrap_or_default(),
+            labels: meta.labels.clone().unwrap_or_default().into(),
             annotations: capo_annotations(meta.annotations.iter().flatten().map(|(k, v)| (k.clone(), v.clone()))),
             controller: meta
                 .owner_references

@@ -19,4 +19,4 @@ pub use policy::{CapoPolicy, CapoPolicySpec, CapoPolicyStatus, HoldFailureAction
 pub use reserved_ip::{
     ControllerRef, HoldTrigger, ManualAction, ManualChange, PodRef, ReservedIP, ReservedIPSpec, ReservedIPStatus,
 };
-pub use selector::{LabelSelector, Operator, SelectorRequirement};
+pub use selector::{LabelSelector, LabelSet, Labels, Operator, SelectorRequirement};

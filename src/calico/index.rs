@@ -90,7 +90,8 @@ impl Inner {
 
     fn link(&mut self, key: &ShardKey, entries: &[String]) {
         for e in entries {
-            let keys = self.by_entry.entry(e.clone()).or_default();
+            // Nearly always one shard: no room kept for more.
+            let keys = self.by_entry.entry(e.clone()).or_insert_with(|| Vec::with_capacity(1));
             if !keys.contains(key) {
                 keys.push(key.clone());
             }

@@ -34,16 +34,17 @@ pub enum PodEvent {
 #[derive(Default)]
 struct Inner {
     pods: HashMap<PodKey, Arc<PodFacts>>,
-    by_ip: HashMap<IpAddr, Vec<PodKey>>,
+    /// The Pods that list an IP (nearly always one; two while an address moves on).
+    by_ip: HashMap<IpAddr, Vec<Arc<PodFacts>>>,
 }
 
 impl Inner {
     fn remove(&mut self, key: &PodKey) -> Option<Arc<PodFacts>> {
         let old = self.pods.remove(key)?;
         for ip in &old.ips {
-            if let Some(keys) = self.by_ip.get_mut(ip) {
-                keys.retain(|k| k != key);
-                if keys.is_empty() {
+            if let Some(pods) = self.by_ip.get_mut(ip) {
+                pods.retain(|p| !Arc::ptr_eq(p, &old));
+                if pods.is_empty() {
                     self.by_ip.remove(ip);
                 }
             }
@@ -55,7 +56,7 @@ impl Inner {
         let key = pod.key();
         self.remove(&key);
         for ip in &pod.ips {
-            self.by_ip.entry(*ip).or_default().push(key.clone());
+            self.by_ip.entry(*ip).or_insert_with(|| Vec::with_capacity(1)).push(pod.clone());
         }
         self.pods.insert(key, pod);
     }
@@ -86,7 +87,7 @@ impl PodStore {
     /// The Pods that list `ip` in their status.
     pub fn with_ip(&self, ip: IpAddr) -> Vec<Arc<PodFacts>> {
         let inner = self.inner.read().expect("pod store lock");
-        inner.by_ip.get(&ip).into_iter().flatten().filter_map(|k| inner.pods.get(k).cloned()).collect()
+        inner.by_ip.get(&ip).cloned().unwrap_or_default()
     }
 
     /// Every Pod kept (for a full look after a resync).
