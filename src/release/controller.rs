@@ -649,7 +649,7 @@ impl Ctx {
                     .lock()
                     .expect("pacer lock")
                     .submit(&spec.policy, Leaving { record: rec.clone(), reason, due });
-                self.queue.add(Key::Release(spec.policy.clone()));
+                self.queue.add_urgent(Key::Release(spec.policy.clone()));
                 Ok(None)
             }
             Action::WriteBack => {
@@ -770,7 +770,7 @@ impl Ctx {
             }
         }
         drop(pacer);
-        self.queue.add(Key::Release(name.to_string()));
+        self.queue.add_urgent(Key::Release(name.to_string()));
         Ok(None)
     }
 
@@ -850,7 +850,7 @@ impl Ctx {
                 pacer.submit(&policy, Leaving { record, reason: ReleaseReason::Pool, due: now });
             }
             drop(pacer);
-            self.queue.add(Key::Release(policy));
+            self.queue.add_urgent(Key::Release(policy));
         }
     }
 

@@ -3,6 +3,10 @@
 //! added meanwhile it runs again afterwards; a key can be added for later (the earliest
 //! time wins); a key that failed comes back after an exponential backoff, reset when it
 //! succeeds.
+//!
+//! Work that is due goes first: a key whose time came, or one added as urgent, is handed
+//! out before every key that is merely ready, so a burst of new work (a storm of new holds,
+//! each with its status write) never delays a countdown that has run out or a release slot.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::Hash;
@@ -13,13 +17,17 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 struct Inner<K> {
+    /// Due: their time came, or they were added as urgent; handed out first, in order.
+    due: VecDeque<K>,
     /// Ready to run, in order.
     ready: VecDeque<K>,
+    /// The keys waiting in `due` or `ready`. A key moved up to `due` may still stand in
+    /// `ready`: a place whose key is no longer queued is skipped.
     queued: HashSet<K>,
     /// Being worked on.
     active: HashSet<K>,
-    /// Added while active: run again when done.
-    again: HashSet<K>,
+    /// Added while active: run again when done (`true`: as urgent).
+    again: HashMap<K, bool>,
     /// Waiting for a time: key → when, and the same ordered by time.
     /// (Removing by the exact timeline key keeps every change O(log n): the leader keeps
     /// one key per hold waiting for its due time.)
@@ -42,10 +50,11 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     pub fn new(base: Duration, max: Duration) -> Self {
         Self {
             inner: Mutex::new(Inner {
+                due: VecDeque::new(),
                 ready: VecDeque::new(),
                 queued: HashSet::new(),
                 active: HashSet::new(),
-                again: HashSet::new(),
+                again: HashMap::new(),
                 later: HashMap::new(),
                 timeline: BTreeSet::new(),
                 seq: 0,
@@ -58,21 +67,33 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         }
     }
 
-    fn push_ready(inner: &mut Inner<K>, key: K) {
+    fn push_ready(inner: &mut Inner<K>, key: K, urgent: bool) {
         if let Some((at, seq)) = inner.later.remove(&key) {
             inner.timeline.remove(&(at, seq, key.clone()));
         }
         if inner.active.contains(&key) {
-            inner.again.insert(key);
+            *inner.again.entry(key).or_default() |= urgent;
         } else if inner.queued.insert(key.clone()) {
-            inner.ready.push_back(key);
+            if urgent { inner.due.push_back(key) } else { inner.ready.push_back(key) }
+        } else if urgent && !inner.due.contains(&key) {
+            // Queued as merely ready: moved up (its place in `ready` is skipped later).
+            inner.due.push_back(key);
         }
     }
 
     /// Runs `key` as soon as a worker is free.
     pub fn add(&self, key: K) {
+        self.push(key, false);
+    }
+
+    /// Runs `key` as soon as a worker is free, before every key that is merely ready.
+    pub fn add_urgent(&self, key: K) {
+        self.push(key, true);
+    }
+
+    fn push(&self, key: K, urgent: bool) {
         let mut inner = self.inner.lock().expect("queue lock");
-        Self::push_ready(&mut inner, key);
+        Self::push_ready(&mut inner, key, urgent);
         drop(inner);
         self.wake.notify_one();
     }
@@ -80,7 +101,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Runs `key` at `at` at the latest (an earlier time already set wins).
     pub fn add_at(&self, key: K, at: Instant) {
         if at <= Instant::now() {
-            return self.add(key);
+            return self.add_urgent(key);
         }
         let mut inner = self.inner.lock().expect("queue lock");
         if inner.queued.contains(&key) {
@@ -136,16 +157,13 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
                     }
                     let (_, _, key) = inner.timeline.pop_first().expect("first exists");
                     inner.later.remove(&key);
-                    if inner.active.contains(&key) {
-                        inner.again.insert(key);
-                    } else if inner.queued.insert(key.clone()) {
-                        inner.ready.push_back(key);
-                    }
+                    Self::push_ready(&mut inner, key, true);
                 }
-                if let Some(key) = inner.ready.pop_front() {
-                    inner.queued.remove(&key);
-                    inner.active.insert(key.clone());
-                    return Some(key);
+                while let Some(key) = inner.due.pop_front().or_else(|| inner.ready.pop_front()) {
+                    if inner.queued.remove(&key) {
+                        inner.active.insert(key.clone());
+                        return Some(key);
+                    }
                 }
                 inner.timeline.first().map(|(at, _, _)| *at)
             };
@@ -165,8 +183,8 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     pub fn done(&self, key: &K) {
         let mut inner = self.inner.lock().expect("queue lock");
         inner.active.remove(key);
-        if inner.again.remove(key) {
-            Self::push_ready(&mut inner, key.clone());
+        if let Some(urgent) = inner.again.remove(key) {
+            Self::push_ready(&mut inner, key.clone(), urgent);
             drop(inner);
             self.wake.notify_one();
         }
@@ -175,13 +193,13 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Keys waiting (ready or for a time).
     pub fn len(&self) -> usize {
         let inner = self.inner.lock().expect("queue lock");
-        inner.ready.len() + inner.later.len()
+        inner.queued.len() + inner.later.len()
     }
 
-    /// Keys due now (not those waiting for a time), in work or not.
+    /// Keys to run now (not those waiting for a time).
     pub fn busy(&self) -> usize {
         let inner = self.inner.lock().expect("queue lock");
-        inner.ready.len()
+        inner.queued.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -240,6 +258,34 @@ mod tests {
             q.done(&k);
         }
         assert!(tokio::time::timeout(Duration::from_secs(10), q.next()).await.is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_is_due_goes_before_a_backlog_of_ready_work() {
+        let q = queue();
+        let t0 = Instant::now();
+        q.add_after(100, Duration::from_secs(1));
+        for k in 0..50 {
+            q.add(k);
+        }
+        tokio::time::advance(Duration::from_secs(2)).await;
+        // The countdown that ran out comes before the 50 keys that were ready first.
+        assert_eq!(q.next().await, Some(100));
+        assert!(t0.elapsed() >= Duration::from_secs(1));
+        // An urgent key jumps the backlog too, and a ready key moved up runs once.
+        q.add_urgent(200);
+        q.add_urgent(30);
+        assert_eq!(q.next().await, Some(200));
+        assert_eq!(q.next().await, Some(30));
+        let rest: Vec<u32> = futures::future::join_all((0..49).map(|_| q.next())).await.into_iter().flatten().collect();
+        assert_eq!(rest, (0..50).filter(|k| *k != 30).collect::<Vec<_>>());
+        assert!(q.is_empty(), "the place 30 had in the backlog is skipped, not handed out again");
+        assert!(tokio::time::timeout(Duration::from_millis(10), q.next()).await.is_err());
+        // Urgent while active: it runs again afterwards, ahead of the ready keys.
+        q.add(300);
+        q.add_urgent(100);
+        q.done(&100);
+        assert_eq!(q.next().await, Some(100));
     }
 
     #[tokio::test(start_paused = true)]
