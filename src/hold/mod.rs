@@ -152,7 +152,7 @@ impl HoldWriter {
     /// it is still there: its entry by a patch of one test (the server writes nothing) at
     /// its index — from the watched copy of the reservation, or, while that copy has not
     /// caught up with this replica's own write, from the write's answer — and its record,
-    /// read. `None`: write it as usual.
+    /// read at the same time. `None`: write it as usual.
     async fn recheck(&self, req: &HoldRequest<'_>, ip: IpAddr) -> Option<Held> {
         let key = (req.pod.uid.clone(), ip);
         let recent = {
@@ -169,10 +169,13 @@ impl HoldWriter {
             .find(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy))
             .and_then(|(_, v)| v.position(&cidr));
         let at = listed_at.or(recent.entry_at)?;
-        if !self.reservations.confirm(&recent.shard, req.policy, at, &cidr).await.ok()? {
+        // Both asked at once: the answer waits for one round trip, not two.
+        let (confirmed, record) =
+            tokio::join!(self.reservations.confirm(&recent.shard, req.policy, at, &cidr), self.records.get(ip));
+        if !confirmed.ok()? {
             return None;
         }
-        let record = self.records.get(ip).await.ok()??;
+        let record = record.ok()??;
         let uid = record.metadata.uid.unwrap_or_default();
         (uid == recent.record_uid && record.spec.pod.uid == req.pod.uid).then_some(Held {
             ip,
