@@ -5,7 +5,7 @@
 //! - the same DELETE through an allow-all webhook on capo's own TLS stack and webhook
 //!   configuration (the floor of any webhook), through capo for a Pod it does not select,
 //!   and through capo holding the IP — with the policy holding nothing yet and with 10,000
-//!   held;
+//!   held; the rows a target compares are measured side by side (alternating blocks);
 //! - a storm of concurrent deletions with and without capo;
 //! - the two writes of a hold on their own (what moving the record after the answer
 //!   could save);
@@ -169,7 +169,7 @@ async fn create_pods(client: &Client, ns: &str, prefix: &str, app: &str, range: 
         .await;
 }
 
-async fn delete_sequentially(client: &Client, ns: &str, prefix: &str, range: std::ops::Range<usize>) -> Stats {
+async fn delete_each(client: &Client, ns: &str, prefix: &str, range: impl Iterator<Item = usize>) -> Vec<Duration> {
     let pods = Api::<Pod>::namespaced(client.clone(), ns);
     let mut samples = Vec::new();
     for i in range {
@@ -177,7 +177,51 @@ async fn delete_sequentially(client: &Client, ns: &str, prefix: &str, range: std
         pods.delete(&format!("{prefix}-{i}"), &DeleteParams::default()).await.unwrap();
         samples.push(t.elapsed());
     }
-    stats(samples)
+    samples
+}
+
+async fn delete_sequentially(client: &Client, ns: &str, prefix: &str, range: std::ops::Range<usize>) -> Stats {
+    stats(delete_each(client, ns, prefix, range).await)
+}
+
+/// Rows compared by a target are measured side by side: the Pods of each `(namespace,
+/// prefix)` are deleted one at a time in blocks of ten, the sides taking turns (and
+/// starting in turn), so every row sees the same machine — the same leader work in the
+/// background, the same API server load — and a ratio between rows is not the drift of a
+/// shared 2-core machine between two moments. Returns each side's latencies and capo's own
+/// mean time per review on that side (its `capo_admission_duration_seconds` over that
+/// side's blocks; zero where capo is not called).
+async fn delete_interleaved(
+    client: &Client,
+    probe: u16,
+    sides: &[(&str, &str)],
+    range: std::ops::Range<usize>,
+) -> Vec<(Stats, Duration)> {
+    const BLOCK: usize = 10;
+    let inside = |m: &str| {
+        let sum = metric(m, "capo_admission_duration_seconds_sum{operation=\"delete\"");
+        let count = metric(m, "capo_admission_duration_seconds_count{operation=\"delete\"");
+        (sum, count)
+    };
+    let mut samples = vec![Vec::new(); sides.len()];
+    let mut own = vec![(0.0, 0.0); sides.len()];
+    let indices: Vec<usize> = range.collect();
+    for (b, block) in indices.chunks(BLOCK).enumerate() {
+        for k in 0..sides.len() {
+            let s = (b + k) % sides.len();
+            let (ns, prefix) = sides[s];
+            let before = inside(&metrics(probe).await);
+            samples[s].extend(delete_each(client, ns, prefix, block.iter().copied()).await);
+            let after = inside(&metrics(probe).await);
+            own[s].0 += after.0 - before.0;
+            own[s].1 += after.1 - before.1;
+        }
+    }
+    samples
+        .into_iter()
+        .zip(own)
+        .map(|(v, (sum, count))| (stats(v), Duration::from_secs_f64(if count > 0.0 { sum / count } else { 0.0 })))
+        .collect()
 }
 
 /// Deletes the Pods 50 at a time; returns the wall time and how many were refused.
@@ -304,7 +348,7 @@ async fn hold_writes(client: &Client, n: usize) -> (Stats, Stats, Stats) {
             let ip = ip(900_000 + i);
             let r: capo_api::ReservedIP = serde_json::from_value(json!({
                 "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP",
-                "metadata": { "name": format!("bench-{i}") },
+                "metadata": { "name": format!("bench-{i}"), "labels": { "capo-bench": "writes" } },
                 "spec": { "ip": ip.to_string(), "cidr": format!("{ip}/32"), "reservation": "capo-bench-writes",
                           "calicoApiGroup": "crd.projectcalico.org/v1", "policy": "bench-writes",
                           "pod": { "namespace": "bench", "name": "p", "uid": "u" }, "trigger": "Delete",
@@ -329,6 +373,25 @@ async fn hold_writes(client: &Client, n: usize) -> (Stats, Stats, Stats) {
     (stats(a), stats(r), stats(both))
 }
 
+/// Removes what [`hold_writes`] wrote: its records and its reservation are measurements,
+/// not holds (capo would adopt the entries as orphans and count them in its memory).
+async fn remove_hold_writes(client: &Client) {
+    let records = Api::<capo_api::ReservedIP>::all(client.clone());
+    let lp = kube::api::ListParams::default().labels("capo-bench=writes");
+    records.delete_collection(&DeleteParams::default(), &lp).await.unwrap();
+    let shards = Api::<DynamicObject>::all_with(client.clone(), &capo_api::CalicoApiGroup::CrdV1.ip_reservation());
+    shards.delete("capo-bench-writes", &DeleteParams::default()).await.unwrap();
+    for _ in 0..300 {
+        if records.list(&lp).await.unwrap().items.is_empty()
+            && shards.get_opt("capo-bench-writes").await.unwrap().is_none()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the benchmark's own records and reservation were not removed");
+}
+
 #[tokio::main]
 async fn main() {
     let n = env("CAPO_BENCH_N", 200);
@@ -337,7 +400,7 @@ async fn main() {
     let shared = capo_testenv::shared();
     let client = shared.client().await;
     install(&client).await;
-    for ns in ["bench", "bench-allow", "bench-storm", "bench-big"] {
+    for ns in ["bench", "bench-allow", "bench-storm", "bench-big", "bench-zero"] {
         namespace(&client, ns).await;
     }
 
@@ -364,14 +427,6 @@ async fn main() {
     let (storm_plain, _) = storm(&client, "bench-storm", "plain", 0..storm_n).await;
     eprintln!("storm of {storm_n}, no webhook: {storm_plain:?}");
 
-    // The floor of any webhook.
-    let (allow, _) = allow_all(&client, "bench-allow").await;
-    create_pods(&client, "bench-allow", "plain", "redis", 0..n).await;
-    let allowed = delete_sequentially(&client, "bench-allow", "plain", 0..n).await;
-    eprintln!("delete, allow-all webhook: p50 {} p99 {}", ms(allowed.p50), ms(allowed.p99));
-    allow.shutdown(Duration::from_secs(1)).await;
-    let _ = capo::webhook_config::delete(&client, "capo-bench-allow-all").await;
-
     // The writes of a hold, on their own.
     let (entry_write, record_write, both_writes) = hold_writes(&client, n).await;
     eprintln!(
@@ -380,26 +435,28 @@ async fn main() {
         ms(record_write.p50),
         ms(both_writes.p50)
     );
+    remove_hold_writes(&client).await;
 
-    // capo.
+    // capo, and beside it the floor of any webhook.
     policy(&client, "bench", "bench", "redis", 12_000).await;
     policy(&client, "bench-storm", "bench-storm", "redis", 12_000).await;
     policy(&client, "bench-big", "bench-big", "redis", 12_000).await;
-    let (mut capo, probe) = start_capo(&client, &shared.kubeconfig, &["bench", "bench-storm", "bench-big"]).await;
+    policy(&client, "bench-zero", "bench-zero", "redis", 12_000).await;
+    let (mut capo, probe) =
+        start_capo(&client, &shared.kubeconfig, &["bench", "bench-storm", "bench-big", "bench-zero"]).await;
     let pid = capo.id().unwrap();
+    let (allow, _) = allow_all(&client, "bench-allow").await;
+    create_pods(&client, "bench-allow", "plain", "redis", 0..n).await;
     create_pods(&client, "bench", "skipped", "web", 0..n).await;
-    let mean_answer = |m: &str, outcome: &str| {
-        let sel = format!("{{operation=\"delete\",outcome=\"{outcome}\"}}");
-        let sum = metric(m, &format!("capo_admission_duration_seconds_sum{sel}"));
-        let count = metric(m, &format!("capo_admission_duration_seconds_count{sel}"));
-        Duration::from_secs_f64(if count > 0.0 { sum / count } else { 0.0 })
-    };
-    let skipped = delete_sequentially(&client, "bench", "skipped", 0..n).await;
-    let skipped_inside = mean_answer(&metrics(probe).await, "skipped");
-    eprintln!("delete, capo called, not selected: p50 {} p99 {}", ms(skipped.p50), ms(skipped.p99));
     create_pods(&client, "bench", "held", "redis", 0..n).await;
-    let held0 = delete_sequentially(&client, "bench", "held", 0..n).await;
-    let held_inside = mean_answer(&metrics(probe).await, "held");
+    let rows =
+        delete_interleaved(&client, probe, &[("bench-allow", "plain"), ("bench", "skipped"), ("bench", "held")], 0..n)
+            .await;
+    let [(allowed, _), (skipped, skipped_inside), (held0, held_inside)] = rows[..] else { unreachable!() };
+    allow.shutdown(Duration::from_secs(1)).await;
+    let _ = capo::webhook_config::delete(&client, "capo-bench-allow-all").await;
+    eprintln!("delete, allow-all webhook: p50 {} p99 {}", ms(allowed.p50), ms(allowed.p99));
+    eprintln!("delete, capo called, not selected: p50 {} p99 {}", ms(skipped.p50), ms(skipped.p99));
     eprintln!("delete, capo holding (policy holding 0 → {n}): p50 {} p99 {}", ms(held0.p50), ms(held0.p99));
     create_pods(&client, "bench-storm", "held", "redis", 100_000..100_000 + storm_n).await;
     let apiserver = child("kube-apiserve").unwrap_or(0);
@@ -471,7 +528,6 @@ async fn main() {
     let prefill_cpu = proc_stat(pid).1 - prefill_cpu_before;
     let prefill_api = proc_stat(apiserver).1 - prefill_api_before;
     eprintln!("capo CPU while {big} holds were made: {prefill_cpu:.1} s");
-    let before_big = metrics(probe).await;
     eprintln!("{big} holds made in {prefill:?}");
     // The leader has its own work for every new hold (its countdown): measured once it has
     // caught up, so the row shows what a hold costs with this many held, not with this many
@@ -486,19 +542,14 @@ async fn main() {
     }
     let caught_up = caught_up.elapsed();
     eprintln!("the leader caught up {caught_up:?} after the last of the {big} holds");
+    // Side by side: a policy holding `big` and one holding none yet, in the same capo.
     create_pods(&client, "bench-big", "held", "later", 0..n).await;
-    let held_big = delete_sequentially(&client, "bench-big", "held", 0..n).await;
-    let after_big = metrics(probe).await;
-    let big_inside = {
-        let sel = "{operation=\"delete\",outcome=\"held\"}";
-        let delta = |what: &str| {
-            let name = format!("capo_admission_duration_seconds_{what}{sel}");
-            metric(&after_big, &name) - metric(&before_big, &name)
-        };
-        Duration::from_secs_f64(delta("sum") / delta("count").max(1.0))
-    };
-    eprintln!("capo's own time per held review with {big} held: {}", ms(big_inside));
+    create_pods(&client, "bench-zero", "held", "redis", 0..n).await;
+    let rows = delete_interleaved(&client, probe, &[("bench-zero", "held"), ("bench-big", "held")], 0..n).await;
+    let [(held_zero, zero_inside), (held_big, big_inside)] = rows[..] else { unreachable!() };
+    eprintln!("capo's own time per held review with {big} held: {} (0 held: {})", ms(big_inside), ms(zero_inside));
     eprintln!("delete, capo holding ({big} already held): p50 {} p99 {}", ms(held_big.p50), ms(held_big.p99));
+    eprintln!("delete, capo holding (beside it, 0 held): p50 {} p99 {}", ms(held_zero.p50), ms(held_zero.p99));
     let _ = capo.kill().await;
 
     let cores = std::thread::available_parallelism().map_or(0, |p| p.get());
@@ -510,7 +561,11 @@ async fn main() {
          kube-apiserver, etcd, controller-manager, scheduler and kwok from `hack/`, capo as its own process, \
          one replica leading, all on this machine ({cores} cores). One run; {n} sequential samples per latency \
          row, storms of {storm_n} Pods deleted 50 at a time. Pods are unscheduled, so a DELETE completes at once \
-         and only the admission path differs between rows. Policies have `maxReserved: 12000` (24 shards).\n"
+         and only the admission path differs between rows. Policies have `maxReserved: 12000` (24 shards). \
+         Rows a target compares are measured side by side, in alternating blocks of ten deletions: the \
+         allow-all webhook, \"not selected\" and \"policy holding 0\" together, with capo running; \
+         \"holding {big}\" with a second policy holding none beside it. The holds of the storm and of \
+         the {big} are made in between, so the RSS row has the storm's {storm_n} holds.\n"
     );
     let _ = writeln!(doc, "| measurement | p50 | p99 |\n| --- | --- | --- |");
     for (what, s) in [
@@ -519,6 +574,12 @@ async fn main() {
         ("Pod DELETE, allow-all webhook on capo's TLS stack and configuration", &allowed),
         ("Pod DELETE, capo called, Pod not selected", &skipped),
         ("Pod DELETE, capo holds its IP, policy holding 0 at the start", &held0),
+        (
+            &format!(
+                "Pod DELETE, capo holds its IP, policy holding 0 at the start, beside the next row ({big} more held by capo)"
+            ),
+            &held_zero,
+        ),
         (&format!("Pod DELETE, capo holds its IP, policy holding {big}"), &held_big),
         ("a hold's entry append on its own (API write)", &entry_write),
         ("a hold's record create on its own (API write)", &record_write),
@@ -556,10 +617,15 @@ async fn main() {
         "| the leader's work for those {big} holds done (queue empty) after the storm | {:.1} s |",
         caught_up.as_secs_f64()
     );
-    let _ = writeln!(doc, "| capo's own time per held review with {big} held (mean) | {} |\n", ms(big_inside));
+    let _ = writeln!(
+        doc,
+        "| capo's own time per held review with {big} held / 0 held beside it (mean) | {} / {} |\n",
+        ms(big_inside),
+        ms(zero_inside)
+    );
 
     let yes = |b: bool| if b { "yes" } else { "no" };
-    let r_big = held_big.p50.as_secs_f64() / held0.p50.as_secs_f64();
+    let r_big = held_big.p50.as_secs_f64() / held_zero.p50.as_secs_f64();
     let added = held0.p50.saturating_sub(skipped.p50);
     let r_skip = skipped.p50.as_secs_f64() / allowed.p50.as_secs_f64();
     let r_storm = storm_capo.as_secs_f64() / storm_plain.as_secs_f64();
@@ -568,7 +634,7 @@ async fn main() {
         doc,
         "| held DELETE p50 with {big} held ≤ 1.2 × with 0 held | {} vs {} ({r_big:.2}×) | {} |",
         ms(held_big.p50),
-        ms(held0.p50),
+        ms(held_zero.p50),
         yes(r_big <= 1.2)
     );
     let _ = writeln!(

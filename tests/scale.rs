@@ -76,6 +76,11 @@ async fn delete_all(client: &Client, ns: &str, prefix: &str, n: usize) {
     assert!(denied.is_empty(), "{} deletions refused, e.g. {:?}", denied.len(), denied.first());
 }
 
+/// How late any release of the storm may be (a bucket of `capo_release_lateness_seconds`).
+/// Due countdowns go before the leader's other work (`release::queue`), so a storm of new
+/// holds does not delay them; what is left is the debug build's pace on 2 shared cores.
+const LATENESS_BOUND: Duration = Duration::from_secs(30);
+
 /// A policy with room for 25,000 holds (one object fits about 80,000 at most, and every
 /// hold would rewrite it) holds 2,000 IPs (`CAPO_SCALE_HOLDS`; 20,000 by hand takes about
 /// 20 minutes on 2 cores, creating and deleting the Pods): they are spread over its 50 shards, none
@@ -107,8 +112,9 @@ async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_sched
     let biggest = layout.iter().map(|(_, c)| *c).max().unwrap();
     assert!(biggest <= SHARD_SIZE, "a shard above its bound of {SHARD_SIZE}: {layout:?}");
     eprintln!("shards: {} of at most {biggest} entries", layout.len());
-    // Released on schedule.
-    eventually("every hold released", Duration::from_secs(300), || async {
+    // Released on schedule: the wait is ten times the lateness bound asserted below, so a
+    // release later than the bound fails that assertion, not this wait.
+    eventually("every hold released", Duration::from_secs(30) + LATENESS_BOUND * 10, || async {
         (metric_value(&capo, &released) == Some(n as f64)).then_some(())
     })
     .await;
@@ -122,10 +128,8 @@ async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_sched
     let spread: Vec<(&str, f64)> =
         ["1", "2", "5", "10", "30", "60", "300"].into_iter().map(|le| (le, within(le))).collect();
     eprintln!("releases within (le seconds, count): {spread:?}");
-    // Measured: 60 % within 1 s, the rest up to 60 s late (issue 13's open item: the
-    // leader's release throughput under a storm); the bound asserted is the histogram's
-    // last finite bucket.
-    assert_eq!(within("300"), n as f64, "every release within 300 s of its due time: {spread:?}");
+    let bound = LATENESS_BOUND.as_secs().to_string();
+    assert_eq!(within(&bound), n as f64, "every release within {bound} s of its due time: {spread:?}");
     assert!(shards(&client, &policy).await.iter().all(|(_, c)| *c == 0));
     assert!(
         Api::<capo_api::ReservedIP>::all(client.clone())
