@@ -565,7 +565,7 @@ async fn main() {
          Rows a target compares are measured side by side, in alternating blocks of ten deletions: the \
          allow-all webhook, \"not selected\" and \"policy holding 0\" together, with capo running; \
          \"holding {big}\" with a second policy holding none beside it. The holds of the storm and of \
-         the {big} are made in between, so the RSS row has the storm's {storm_n} holds.\n"
+         the {big} are made in between; the RSS row is measured after the storm, before the {big} holds.\n"
     );
     let _ = writeln!(doc, "| measurement | p50 | p99 |\n| --- | --- | --- |");
     for (what, s) in [

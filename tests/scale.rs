@@ -79,11 +79,15 @@ async fn delete_all(client: &Client, ns: &str, prefix: &str, n: usize) {
 /// How late any release of the storm may be (a bucket of `capo_release_lateness_seconds`).
 /// Due countdowns go before the leader's other work (`release::queue`), so a storm of new
 /// holds does not delay them; what is left is the debug build's pace on 2 shared cores.
+/// Measured: 2,000 holds (deletions shorter than the TTL) all within 1 s; 5,000 (the
+/// storm outlasts the TTL) all within 30 s; 20,000 by hand (a 6-minute storm) all within
+/// 300 s but only 7,172 within 30 s — the leader's releases fall behind a storm that
+/// long (issue 13), so this bound fails there.
 const LATENESS_BOUND: Duration = Duration::from_secs(30);
 
 /// A policy with room for 25,000 holds (one object fits about 80,000 at most, and every
 /// hold would rewrite it) holds 2,000 IPs (`CAPO_SCALE_HOLDS`; 20,000 by hand takes about
-/// 20 minutes on 2 cores, creating and deleting the Pods): they are spread over its 50 shards, none
+/// 10 minutes on 2 cores, creating and deleting the Pods): they are spread over its 50 shards, none
 /// above its bound, and all released on schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_schedule() {
