@@ -111,6 +111,57 @@ async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() 
     assert_eq!(metric_value(&capo, &format!("capo_max_reserved{{policy=\"{policy}\"}}")), Some(2.0));
 }
 
+/// Holds at a human pace get an `IPHeld` Event each, on their Pod. A burst (a drain, a
+/// failed node) gets them for the first ten of a policy within 10 s, then one `IPsHeld`
+/// Event on the policy that counts the rest: one API write instead of one per hold.
+#[tokio::test]
+async fn a_burst_of_holds_is_announced_one_by_one_up_to_ten_then_summed_up_on_the_policy() {
+    let Scene { client, ns, capo: _capo, policy } = scene(
+        "rel-burst",
+        Duration::from_secs(600),
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }),
+    )
+    .await;
+    let mut ips = Vec::new();
+    for i in 0..25 {
+        ips.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+    }
+    let deleted = Instant::now();
+    futures::future::join_all((0..25).map(|i| {
+        let (client, ns) = (client.clone(), ns.name.clone());
+        async move { delete_pod(&client, &ns, &format!("redis-{i}")).await.expect("deletion allowed") }
+    }))
+    .await;
+    for &ip in &ips {
+        assert!(record(&client, ip).await.is_some(), "every one held");
+    }
+    let note = wait_event_within(&client, "default", &policy, "IPsHeld", Duration::from_secs(30)).await;
+    let waited = deleted.elapsed();
+    assert!(note.contains("capo held 15 more IPs of policy"), "{note}");
+    assert!(note.contains("and 10 more"), "five named, ten counted: {note}");
+    assert!(waited >= Duration::from_secs(9), "the summary waits for its window to end ({waited:?})");
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), &ns.name);
+    let each: Vec<_> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("IPHeld"))
+        .filter_map(|e| e.regarding.and_then(|r| r.name))
+        .collect();
+    assert_eq!(each.len(), 10, "ten announced one by one: {each:?}");
+    let named = |pod: &String| note.contains(&format!("{}/{pod} ", ns.name));
+    assert!(!each.iter().any(named), "a hold is announced once, by one of the two: {note} / {each:?}");
+    assert_eq!(event_count(&client, "default", &policy, "IPsHeld").await, 1, "one summary");
+
+    // The next hold, after the window, is announced on its Pod again.
+    let ip = selected_pod(&client, &ns.name, "redis-late", false).await;
+    delete_pod(&client, &ns.name, "redis-late").await.expect("deletion allowed");
+    let note = wait_event(&client, &ns.name, "redis-late", "IPHeld").await;
+    assert!(note.contains(&ip.to_string()), "{note}");
+}
+
 #[tokio::test]
 async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     let (client, ns) = setup("rel-ha").await;

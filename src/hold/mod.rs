@@ -1,6 +1,8 @@
 //! Holding an IP: its `/32` or `/128` entry in one of the policy's capo-owned Calico
 //! reservations, and its `ReservedIP` record, written concurrently. "Held" is only ever
-//! answered when the API server has confirmed both are there now.
+//! answered when the API server has confirmed both are there now (for a repeated review of
+//! a hold this replica just made: the entry, read now, which implies the record; see
+//! `HoldWriter::recheck`).
 
 pub mod marks;
 mod records;
@@ -75,8 +77,6 @@ const RECENT_FOR: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 struct Recent {
     shard: String,
-    /// Where the API server's answer put the entry.
-    entry_at: Option<usize>,
     record_uid: String,
     made: Instant,
 }
@@ -138,21 +138,20 @@ impl HoldWriter {
         let mut recent = self.recent.lock().expect("recent holds lock");
         recent.retain(|_, r| now.duration_since(r.made) < RECENT_FOR);
         for h in held {
-            let r = Recent {
-                shard: h.reservation.clone(),
-                entry_at: h.entry_at,
-                record_uid: h.record.uid().to_string(),
-                made: now,
-            };
+            let r = Recent { shard: h.reservation.clone(), record_uid: h.record.uid().to_string(), made: now };
             recent.insert((pod_uid.to_string(), h.ip), r);
         }
     }
 
-    /// A hold of this Pod's `ip` this replica made a moment ago, if the API server confirms
-    /// it is still there: its entry by a patch of one test (the server writes nothing) at
-    /// its index — from the watched copy of the reservation, or, while that copy has not
-    /// caught up with this replica's own write, from the write's answer — and its record,
-    /// read at the same time. `None`: write it as usual.
+    /// A hold of this Pod's `ip` this replica made a moment ago, if its entry is in its
+    /// shard now: one read of the shard (a quorum read, never the watched copy). `None`:
+    /// write it as usual.
+    ///
+    /// The record needs no read of its own. capo removes a record only after its entry
+    /// (a release removes the entry first; a record is dropped only when its entry has
+    /// been missing), and nothing but the record's own Pod can be held under its IP while
+    /// the entry stays. So an entry there now means its record is there too; were it
+    /// deleted by hand, the leader adopts the entry as an orphan, and the IP stays held.
     async fn recheck(&self, req: &HoldRequest<'_>, ip: IpAddr) -> Option<Held> {
         let key = (req.pod.uid.clone(), ip);
         let recent = {
@@ -160,28 +159,12 @@ impl HoldWriter {
             recent.get(&key).filter(|r| r.made.elapsed() < RECENT_FOR).cloned()
         }?;
         let cidr = entry::canonical(ip);
-        let group = self.reservations.group();
-        let listed_at = self
-            .reservations
-            .index()
-            .shards_with(&cidr)
-            .iter()
-            .find(|(g, v)| *g == group && v.name == recent.shard && v.policy.as_deref() == Some(req.policy))
-            .and_then(|(_, v)| v.position(&cidr));
-        let at = listed_at.or(recent.entry_at)?;
-        // Both asked at once: the answer waits for one round trip, not two.
-        let (confirmed, record) =
-            tokio::join!(self.reservations.confirm(&recent.shard, req.policy, at, &cidr), self.records.get(ip));
-        if !confirmed.ok()? {
-            return None;
-        }
-        let record = record.ok()??;
-        let uid = record.metadata.uid.unwrap_or_default();
-        (uid == recent.record_uid && record.spec.pod.uid == req.pod.uid).then_some(Held {
+        let at = self.reservations.confirm(&recent.shard, req.policy, &cidr).await.ok()??;
+        Some(Held {
             ip,
             reservation: recent.shard,
             entry_at: Some(at),
-            record: RecordOutcome::Kept { uid },
+            record: RecordOutcome::Kept { uid: recent.record_uid },
         })
     }
 

@@ -25,6 +25,7 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use super::announce::{Announce, Announcer};
 use super::decide::{self, Action, Facts, PlanSettings, PodState, ReleaseReason};
 use super::pacer::{Leaving, Pacer, Taken};
 use super::queue::WorkQueue;
@@ -112,6 +113,8 @@ enum Key {
     Pod(String, String),
     /// A Calico IP pool (the pool guard).
     Pool(String),
+    /// A policy's summary of a burst of holds (an `IPsHeld` Event).
+    Held(String),
 }
 
 impl Key {
@@ -123,6 +126,7 @@ impl Key {
             Self::Shard(..) => "shard",
             Self::Pod(..) => "pod",
             Self::Pool(_) => "pool",
+            Self::Held(_) => "held",
         }
     }
 }
@@ -134,8 +138,11 @@ struct Memory {
     missing: HashMap<String, Timestamp>,
     /// Shard → its mismatched entries, with when first seen.
     first_seen: HashMap<(CalicoApiGroup, String), HashMap<String, Timestamp>>,
-    /// Records announced with an `IPHeld` Event (by uid).
-    announced: HashSet<String>,
+    /// Records announced (by name: the uid of the hold announced), forgotten with the
+    /// record.
+    announced: HashMap<String, String>,
+    /// Per policy: holds announced one by one, and a burst's summary.
+    announcer: Announcer,
     /// Policies past their cap (a `CapReached` Event when one gets there).
     over_cap: HashSet<String>,
     /// (pool, policy) pairs the pool guard is releasing from (a `PoolShareReached` Event
@@ -562,7 +569,7 @@ impl Ctx {
     fn policy_of(&self, key: &Key) -> String {
         match key {
             Key::Record(r) => self.records.get(r).map(|r| r.spec.policy.clone()).unwrap_or_default(),
-            Key::Policy(p) | Key::Release(p) => p.clone(),
+            Key::Policy(p) | Key::Release(p) | Key::Held(p) => p.clone(),
             Key::Shard(g, n) => self.index.get(*g, n).and_then(|v| v.policy.clone()).unwrap_or_default(),
             Key::Pod(..) | Key::Pool(_) => String::new(),
         }
@@ -582,6 +589,7 @@ impl Ctx {
                 self.pool(name).await;
                 Ok(None)
             }
+            Key::Held(policy) => Ok(self.held_summary(policy).await),
         }
     }
 
@@ -603,7 +611,9 @@ impl Ctx {
     /// One hold: its countdown, and its release, write-back or drop when due.
     async fn record(&self, name: &str) -> Result<Option<Instant>, ReleaseError> {
         let Some(rec) = self.records.get(name) else {
-            self.memory.lock().expect("memory lock").missing.remove(name);
+            let mut memory = self.memory.lock().expect("memory lock");
+            memory.missing.remove(name);
+            memory.announced.remove(name);
             return Ok(None);
         };
         let spec = &rec.spec;
@@ -671,7 +681,8 @@ impl Ctx {
         }
     }
 
-    /// An `IPHeld` Event on the Pod of a record that appeared while this replica leads.
+    /// A record that appeared while this replica leads: an `IPHeld` Event on its Pod, or,
+    /// during a burst, a place in its policy's summary (`announce`).
     async fn announce(&self, rec: &capo_api::ReservedIP) {
         let s = &rec.spec;
         let since = self.started.checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(10)).unwrap_or(self.started);
@@ -679,15 +690,41 @@ impl Ctx {
         if s.reserved_at.0 < since || s.pod.name.is_empty() {
             return;
         }
-        if !self.memory.lock().expect("memory lock").announced.insert(uid) {
-            return;
+        let verdict = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            if memory.announced.insert(rec.name_any(), uid.clone()).as_deref() == Some(uid.as_str()) {
+                return;
+            }
+            let what = format!("{}/{} {}", s.pod.namespace, s.pod.name, s.ip);
+            memory.announcer.admit(&s.policy, what, Instant::now())
+        };
+        match verdict {
+            Announce::Each => {
+                let note = format!(
+                    "capo holds {} in IPReservation {} (policy {}, trigger {:?}) for {} after the Pod is gone",
+                    s.ip, s.reservation, s.policy, s.trigger, s.reserve_for
+                );
+                let pod = pod_ref(&s.pod.namespace, &s.pod.name, &s.pod.uid);
+                self.event(&pod, EventType::Normal, "IPHeld", "Hold", note).await;
+            }
+            Announce::Counted { due } => self.queue.add_at(Key::Held(s.policy.clone()), due),
         }
-        let note = format!(
-            "capo holds {} in IPReservation {} (policy {}, trigger {:?}) for {} after the Pod is gone",
-            s.ip, s.reservation, s.policy, s.trigger, s.reserve_for
-        );
-        self.event(&pod_ref(&s.pod.namespace, &s.pod.name, &s.pod.uid), EventType::Normal, "IPHeld", "Hold", note)
-            .await;
+    }
+
+    /// A burst's `IPsHeld` Event on the policy, once its window is over; else when to look
+    /// again.
+    async fn held_summary(&self, policy: &str) -> Option<Instant> {
+        let now = Instant::now();
+        let summary = {
+            let mut memory = self.memory.lock().expect("memory lock");
+            memory.announcer.trim(now);
+            match memory.announcer.take(policy, now) {
+                Some(summary) => summary,
+                None => return memory.announcer.due(policy),
+            }
+        };
+        self.event(&policy_ref(policy), EventType::Normal, "IPsHeld", "Hold", summary.note(policy)).await;
+        None
     }
 
     fn released(&self, policy: &str, reason: ReleaseReason, due: Option<Timestamp>) {

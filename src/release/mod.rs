@@ -7,6 +7,7 @@
 //! [`controller`] runs them per key from a [`queue`], every write fenced by the Lease
 //! ([`writes`], [`crate::calico`]).
 
+pub mod announce;
 pub mod cap;
 pub mod controller;
 pub mod decide;

@@ -122,8 +122,12 @@ pub async fn wait_released(client: &Client, ip: IpAddr, limit: Duration) -> Time
 /// Waits for an Event with `reason` about the object `name` (in `namespace`; cluster-scoped
 /// objects get theirs in `default`).
 pub async fn wait_event(client: &Client, namespace: &str, name: &str, reason: &str) -> String {
+    wait_event_within(client, namespace, name, reason, Duration::from_secs(20)).await
+}
+
+pub async fn wait_event_within(client: &Client, namespace: &str, name: &str, reason: &str, within: Duration) -> String {
     let api = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), namespace);
-    eventually(&format!("a {reason} Event about {name}"), Duration::from_secs(20), || {
+    eventually(&format!("a {reason} Event about {name}"), within, || {
         let api = api.clone();
         async move {
             let list = api.list(&Default::default()).await.ok()?;

@@ -1,0 +1,181 @@
+//! How the leader tells people about new holds: an `IPHeld` Event on the Pod for each hold
+//! while holds come at a human pace; during a burst (a drain, a failed node, a storm of
+//! deletions), one `IPsHeld` Event on the policy per window that counts them and names a few.
+//!
+//! An Event is an API write. In a storm of 1,000 deletions one Event per hold was one of
+//! the five extra requests each deletion cost the API server (docs/performance.md), and a
+//! thousand Events name the same policy and say the same thing. Kubernetes' own Event
+//! clients aggregate bursts of similar Events the same way.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Holds announced one by one per policy in any window.
+pub const BURST: u32 = 10;
+/// The window; a burst's summary is due at its end.
+pub const WINDOW: Duration = Duration::from_secs(10);
+/// Pods a summary names before it says "and N more".
+const NAMED: usize = 5;
+
+/// Whether a new hold gets an Event of its own.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Announce {
+    /// An `IPHeld` Event on the Pod.
+    Each,
+    /// Counted into the policy's summary, due at the given instant.
+    Counted { due: Instant },
+}
+
+/// What a burst of holds in one policy came to.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Summary {
+    pub count: u32,
+    /// The first few holds, as "namespace/pod ip".
+    pub named: Vec<String>,
+}
+
+impl Summary {
+    pub fn note(&self, policy: &str) -> String {
+        let more = self.count as usize - self.named.len();
+        let tail = if more > 0 { format!(" and {more} more") } else { String::new() };
+        format!(
+            "capo held {} more IPs of policy {policy} within {} s, beyond {BURST} announced one by one on their Pods: {}{tail} (kubectl get reservedips -l capo.io/policy={policy})",
+            self.count,
+            WINDOW.as_secs(),
+            self.named.join(", "),
+        )
+    }
+}
+
+#[derive(Default)]
+struct Window {
+    start: Option<Instant>,
+    each: u32,
+    counted: u32,
+    named: Vec<String>,
+}
+
+/// Per policy: how many holds this window has announced, and what it has counted.
+#[derive(Default)]
+pub struct Announcer {
+    windows: HashMap<String, Window>,
+}
+
+impl Announcer {
+    /// A new hold of `policy` (`what`: "namespace/pod ip") seen at `now`.
+    pub fn admit(&mut self, policy: &str, what: String, now: Instant) -> Announce {
+        let w = self.windows.entry(policy.to_string()).or_default();
+        let start = match w.start {
+            Some(start) if now.duration_since(start) < WINDOW => start,
+            // A window whose summary is still waiting keeps counting until it is taken.
+            Some(start) if w.counted > 0 => start,
+            _ => {
+                *w = Window { start: Some(now), ..Default::default() };
+                now
+            }
+        };
+        if w.each < BURST && w.counted == 0 {
+            w.each += 1;
+            return Announce::Each;
+        }
+        w.counted += 1;
+        if w.named.len() < NAMED {
+            w.named.push(what);
+        }
+        Announce::Counted { due: start + WINDOW }
+    }
+
+    /// The summary of `policy`'s window, once the window is over and it counted any.
+    /// The next window starts with the next hold.
+    pub fn take(&mut self, policy: &str, now: Instant) -> Option<Summary> {
+        let w = self.windows.get_mut(policy)?;
+        let start = w.start?;
+        if w.counted == 0 || now.duration_since(start) < WINDOW {
+            return None;
+        }
+        let summary = Summary { count: w.counted, named: std::mem::take(&mut w.named) };
+        self.windows.remove(policy);
+        Some(summary)
+    }
+
+    /// When `policy`'s summary is due, if one is waiting.
+    pub fn due(&self, policy: &str) -> Option<Instant> {
+        let w = self.windows.get(policy)?;
+        (w.counted > 0).then(|| w.start.map(|s| s + WINDOW)).flatten()
+    }
+
+    /// Forgets windows that are over and counted nothing.
+    pub fn trim(&mut self, now: Instant) {
+        self.windows.retain(|_, w| w.counted > 0 || w.start.is_some_and(|s| now.duration_since(s) < WINDOW));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hold(i: u32) -> String {
+        format!("ns/redis-{i} 10.0.0.{i}")
+    }
+
+    #[test]
+    fn holds_at_a_human_pace_are_announced_one_by_one() {
+        let mut a = Announcer::default();
+        let t0 = Instant::now();
+        for i in 0..30 {
+            let at = t0 + Duration::from_secs(2 * i as u64);
+            assert_eq!(a.admit("p", hold(i), at), Announce::Each, "hold {i}");
+            assert_eq!(a.take("p", at + WINDOW), None, "nothing counted");
+        }
+    }
+
+    #[test]
+    fn a_burst_is_announced_up_to_the_burst_then_summed_up_once_per_window() {
+        let mut a = Announcer::default();
+        let t0 = Instant::now();
+        let mut each = 0;
+        let mut dues = Vec::new();
+        for i in 0..100 {
+            match a.admit("p", hold(i), t0 + Duration::from_millis(10 * i as u64)) {
+                Announce::Each => each += 1,
+                Announce::Counted { due } => dues.push(due),
+            }
+        }
+        assert_eq!(each, BURST);
+        assert_eq!(dues.len(), 90);
+        assert!(dues.iter().all(|d| *d == t0 + WINDOW), "one summary, due at the window's end");
+        assert_eq!(a.due("p"), Some(t0 + WINDOW));
+        assert_eq!(a.take("p", t0 + WINDOW - Duration::from_millis(1)), None, "not before its time");
+        // Holds that come while the summary waits are in it, even past the window's end.
+        assert!(matches!(a.admit("p", hold(100), t0 + WINDOW), Announce::Counted { .. }));
+        let s = a.take("p", t0 + WINDOW).expect("due");
+        assert_eq!(s.count, 91);
+        assert_eq!(s.named, (10..15).map(hold).collect::<Vec<_>>(), "the first counted, by name");
+        assert!(
+            s.note("p").contains("91 more IPs of policy p") && s.note("p").contains("and 86 more"),
+            "{}",
+            s.note("p")
+        );
+        assert_eq!(a.take("p", t0 + WINDOW * 2), None, "taken once");
+        assert_eq!(a.due("p"), None);
+        // After the summary, the next hold starts a window of its own.
+        assert_eq!(a.admit("p", hold(101), t0 + WINDOW * 2), Announce::Each);
+    }
+
+    #[test]
+    fn policies_have_windows_of_their_own() {
+        let mut a = Announcer::default();
+        let t0 = Instant::now();
+        for i in 0..BURST {
+            assert_eq!(a.admit("busy", hold(i), t0), Announce::Each);
+        }
+        assert!(matches!(a.admit("busy", hold(99), t0), Announce::Counted { .. }));
+        assert_eq!(a.admit("quiet", hold(1), t0), Announce::Each);
+        assert_eq!(a.due("quiet"), None);
+        a.trim(t0 + WINDOW);
+        assert!(a.due("busy").is_some(), "a waiting summary is kept");
+        assert!(!a.windows.contains_key("quiet"), "a window over and counting nothing is forgotten");
+    }
+}
