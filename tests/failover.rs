@@ -37,6 +37,27 @@ struct Replica {
     identity: String,
     probe: u16,
     child: Child,
+    /// The replica's log (its stdout), shown when a test fails with the replica running.
+    log: PathBuf,
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(80)..];
+            eprintln!(
+                "--- the last {} lines of replica {}'s log ({}) ---",
+                tail.len(),
+                self.identity,
+                self.log.display()
+            );
+            for line in tail {
+                eprintln!("{line}");
+            }
+        }
+    }
 }
 
 /// How a replica runs.
@@ -50,6 +71,7 @@ struct Launch<'a> {
 async fn spawn_replica(ns: &str, launch: Launch<'_>) -> Replica {
     let (port, probe) = (free_port(), free_port());
     let identity = launch.identity;
+    let log = std::env::temp_dir().join(format!("capo-failover-{ns}-{identity}.log"));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_capo"));
     cmd.args([
         &format!("--webhook-addr=127.0.0.1:{port}"),
@@ -68,7 +90,8 @@ async fn spawn_replica(ns: &str, launch: Launch<'_>) -> Replica {
     ])
     .env("KUBECONFIG", launch.kubeconfig)
     .env("RUST_LOG", "capo=info")
-    .stdout(Stdio::null())
+    .env("NO_COLOR", "1")
+    .stdout(std::fs::File::create(&log).expect("the replica's log file"))
     .stderr(Stdio::inherit())
     .kill_on_drop(true);
     if let Some(ahead) = launch.clock_ahead {
@@ -78,7 +101,7 @@ async fn spawn_replica(ns: &str, launch: Launch<'_>) -> Replica {
             .env("FAKETIME_NO_CACHE", "1");
     }
     let child = cmd.spawn().expect("start capo");
-    Replica { identity: identity.into(), probe, child }
+    Replica { identity: identity.into(), probe, child, log }
 }
 
 /// Debian's libfaketime (`hack/tools.sh` installs it).
