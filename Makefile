@@ -75,6 +75,10 @@ bench: controlplane ## Measure the admission path end to end on the local contro
 bench-calico: controlplane ## Measure Calico AutoAssign latency against reserved entries (one object vs shards) on a private control plane
 	bash hack/bench-calico.sh
 
+.PHONY: bench-calls
+bench-calls: controlplane ## Count the API requests a burst of held deletions costs (a StatefulSet of N=200 scaled to 0), per Pod
+	bash hack/bench-calls.sh
+
 .PHONY: testenv-up
 testenv-up: controlplane ## Start the local control plane; prints the export KUBECONFIG line
 	@cargo build -q -p capo-testenv
