@@ -10,6 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
+
 N="${N:-200}"
 state=.testenv-calls
 cargo build -q --release --bin capo
@@ -43,24 +46,7 @@ done
 sed -e 's/^  reserveFor: .*/  reserveFor: 30m/' -e "s/^  maxReserved: .*/  maxReserved: $((N * 2))/" \
   config/samples/statefulsets.yaml | kubectl apply -f - >/dev/null
 kubectl wait --for=condition=Ready capopolicy/statefulsets --timeout=30s >/dev/null
-kubectl create namespace redis --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-kubectl label namespace redis ip-reserve=enabled --overwrite >/dev/null
-kubectl apply -n redis -f - >/dev/null <<YAML
-apiVersion: apps/v1
-kind: StatefulSet
-metadata: {name: redis}
-spec:
-  serviceName: redis
-  replicas: $N
-  podManagementPolicy: Parallel
-  selector: {matchLabels: {app: redis}}
-  template:
-    metadata: {labels: {app: redis}}
-    spec:
-      tolerations: [{operator: Exists}]
-      containers: [{name: redis, image: redis:7}]
-YAML
-kubectl rollout status -n redis statefulset/redis --timeout=600s >/dev/null
+redis_statefulset "$N" Parallel 600s
 
 # resource|subresource|verb|code|count, for what a deletion touches.
 requests() {

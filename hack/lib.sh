@@ -16,7 +16,8 @@ show_ca_bundle() {
 }
 
 # A Redis StatefulSet of $1 replicas in namespace redis (labelled ip-reserve=enabled),
-# on the kwok nodes; returns once it is rolled out.
+# on the kwok nodes; returns once it is rolled out. $2: its podManagementPolicy
+# (default OrderedReady, as Kubernetes'); $3: how long the rollout may take (default 90s).
 redis_statefulset() {
   kubectl create namespace redis --dry-run=client -o yaml | kubectl apply -f - >/dev/null
   kubectl label namespace redis ip-reserve=enabled --overwrite >/dev/null
@@ -27,6 +28,7 @@ metadata: {name: redis}
 spec:
   serviceName: redis
   replicas: $1
+  podManagementPolicy: ${2:-OrderedReady}
   selector: {matchLabels: {app: redis}}
   template:
     metadata: {labels: {app: redis}}
@@ -34,5 +36,5 @@ spec:
       tolerations: [{operator: Exists}]
       containers: [{name: redis, image: redis:7}]
 YAML
-  kubectl rollout status -n redis statefulset/redis --timeout=90s >/dev/null
+  kubectl rollout status -n redis statefulset/redis --timeout="${3:-90s}" >/dev/null
 }
