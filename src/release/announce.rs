@@ -49,12 +49,17 @@ impl Summary {
     }
 }
 
-#[derive(Default)]
 struct Window {
-    start: Option<Instant>,
+    start: Instant,
     each: u32,
     counted: u32,
     named: Vec<String>,
+}
+
+impl Window {
+    fn new(start: Instant) -> Self {
+        Self { start, each: 0, counted: 0, named: Vec::new() }
+    }
 }
 
 /// Per policy: how many holds this window has announced, and what it has counted.
@@ -66,16 +71,12 @@ pub struct Announcer {
 impl Announcer {
     /// A new hold of `policy` (`what`: "namespace/pod ip") seen at `now`.
     pub fn admit(&mut self, policy: &str, what: String, now: Instant) -> Announce {
-        let w = self.windows.entry(policy.to_string()).or_default();
-        let start = match w.start {
-            Some(start) if now.duration_since(start) < WINDOW => start,
-            // A window whose summary is still waiting keeps counting until it is taken.
-            Some(start) if w.counted > 0 => start,
-            _ => {
-                *w = Window { start: Some(now), ..Default::default() };
-                now
-            }
-        };
+        let w = self.windows.entry(policy.to_string()).or_insert_with(|| Window::new(now));
+        // A window over and with nothing counted gives way to a new one; a window whose
+        // summary is still waiting keeps counting until it is taken.
+        if now.duration_since(w.start) >= WINDOW && w.counted == 0 {
+            *w = Window::new(now);
+        }
         if w.each < BURST && w.counted == 0 {
             w.each += 1;
             return Announce::Each;
@@ -84,15 +85,14 @@ impl Announcer {
         if w.named.len() < NAMED {
             w.named.push(what);
         }
-        Announce::Counted { due: start + WINDOW }
+        Announce::Counted { due: w.start + WINDOW }
     }
 
     /// The summary of `policy`'s window, once the window is over and it counted any.
     /// The next window starts with the next hold.
     pub fn take(&mut self, policy: &str, now: Instant) -> Option<Summary> {
         let w = self.windows.get_mut(policy)?;
-        let start = w.start?;
-        if w.counted == 0 || now.duration_since(start) < WINDOW {
+        if w.counted == 0 || now.duration_since(w.start) < WINDOW {
             return None;
         }
         let summary = Summary { count: w.counted, named: std::mem::take(&mut w.named) };
@@ -103,12 +103,12 @@ impl Announcer {
     /// When `policy`'s summary is due, if one is waiting.
     pub fn due(&self, policy: &str) -> Option<Instant> {
         let w = self.windows.get(policy)?;
-        (w.counted > 0).then(|| w.start.map(|s| s + WINDOW)).flatten()
+        (w.counted > 0).then(|| w.start + WINDOW)
     }
 
     /// Forgets windows that are over and counted nothing.
     pub fn trim(&mut self, now: Instant) {
-        self.windows.retain(|_, w| w.counted > 0 || w.start.is_some_and(|s| now.duration_since(s) < WINDOW));
+        self.windows.retain(|_, w| w.counted > 0 || now.duration_since(w.start) < WINDOW);
     }
 }
 
