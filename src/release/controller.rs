@@ -60,6 +60,14 @@ const SHARD_GATHER: Duration = Duration::from_millis(500);
 /// `releaseInterval`.
 const POLICY_GATHER: Duration = Duration::from_millis(100);
 
+/// A release slot's writes at once: its shards, then its records. A slot takes every
+/// release that is due (up to `releaseBatch`), so these bound how many releases a second
+/// one policy keeps up with while the API server is busy: 20,000 holds in 4 minutes (about
+/// 90 a second, `tests/scale.rs` by hand) fell further behind with 16 record deletions at
+/// once (about 70 a second kept up with).
+const SLOT_SHARDS_AT_ONCE: usize = 16;
+const SLOT_RECORDS_AT_ONCE: usize = 64;
+
 /// How long pool changes are gathered before the pool guard looks (every Pod start and
 /// stop in the cluster changes an IPAM block).
 const POOL_SETTLE: Duration = Duration::from_secs(1);
@@ -141,6 +149,10 @@ struct Memory {
     /// Records announced (by name: the uid of the hold announced), forgotten with the
     /// record.
     announced: HashMap<String, String>,
+    /// Record → (its uid, when the leader's stores first showed its Pod gone), until its
+    /// countdown is written: the countdown starts there, however long the hold waits for
+    /// a worker.
+    gone_seen: HashMap<String, (String, Timestamp)>,
     /// Per policy: holds announced one by one, and a burst's summary.
     announcer: Announcer,
     /// Policies past their cap (a `CapReached` Event when one gets there).
@@ -369,6 +381,8 @@ impl Ctx {
     }
 
     fn enqueue_everything(&self) {
+        // A store listed afresh: what was seen gone is seen again (or not) from here on.
+        self.memory.lock().expect("memory lock").gone_seen.clear();
         for name in self.records.all_names() {
             self.queue.add(Key::Record(name));
         }
@@ -406,6 +420,9 @@ impl Ctx {
     /// so its owner's deletion — a cascade — is known by then).
     fn pod_changed(&self, namespace: &str, name: &str) {
         for r in self.records.for_pod(namespace, name) {
+            if let Some(rec) = self.records.get(&r) {
+                self.note_pod_gone(&rec);
+            }
             self.queue.add(Key::Record(r));
         }
         let key = Key::Pod(namespace.to_string(), name.to_string());
@@ -413,6 +430,29 @@ impl Ctx {
             Some(p) if p.terminal() => self.queue.add(key),
             Some(p) if p.deleting => self.queue.add_after(key, self.settings.plan.settle.min(Duration::from_secs(2))),
             _ => {}
+        }
+    }
+
+    /// Notes when the stores first showed `rec`'s Pod gone, while its countdown is not
+    /// written yet (`Facts::seen_gone`), and has the hold looked at when that countdown
+    /// runs out, even if it still waits behind a backlog of new holds by then; forgets it
+    /// if the Pod is back (a relist).
+    fn note_pod_gone(&self, rec: &capo_api::ReservedIP) {
+        if rec.status.as_ref().is_some_and(|s| s.pod_gone_at.is_some()) {
+            return;
+        }
+        let pod = self.pods.get(&rec.spec.pod.namespace, &rec.spec.pod.name);
+        let gone = decide::pod_state(rec, pod.as_deref()) == PodState::Gone;
+        let uid = rec.uid().unwrap_or_default();
+        let mut memory = self.memory.lock().expect("memory lock");
+        if !gone {
+            memory.gone_seen.remove(&rec.name_any());
+        } else if memory.gone_seen.get(&rec.name_any()).is_none_or(|(u, _)| *u != uid) {
+            let now = Timestamp::now();
+            memory.gone_seen.insert(rec.name_any(), (uid, now));
+            drop(memory);
+            let due = decide::ttl_due(rec, now, &self.settings.plan);
+            self.queue.add_at(Key::Record(rec.name_any()), instant(due));
         }
     }
 
@@ -528,6 +568,9 @@ impl Ctx {
         {
             self.pacer.lock().expect("pacer lock").seen_gone(&name, old.metadata.uid.as_deref());
         }
+        if let Some(rec) = &after {
+            self.note_pod_gone(rec);
+        }
         if let (None, Some(new)) = (&before, &after) {
             let mut memory = self.memory.lock().expect("memory lock");
             memory.arrivals.entry(new.spec.policy.clone()).or_default().push_back(Instant::now());
@@ -614,6 +657,7 @@ impl Ctx {
             let mut memory = self.memory.lock().expect("memory lock");
             memory.missing.remove(name);
             memory.announced.remove(name);
+            memory.gone_seen.remove(name);
             return Ok(None);
         };
         let spec = &rec.spec;
@@ -623,14 +667,24 @@ impl Ctx {
         let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
         let now = Timestamp::now();
         let entry_present = self.index.get(group, &spec.reservation).is_some_and(|v| v.position(&spec.cidr).is_some());
-        let missing_since = {
+        let (missing_since, seen_gone) = {
             let mut memory = self.memory.lock().expect("memory lock");
-            if entry_present {
+            let uid = rec.uid().unwrap_or_default();
+            let seen_gone = match memory.gone_seen.get(name) {
+                Some((u, at)) if *u == uid && rec.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none()) => Some(*at),
+                Some(_) => {
+                    memory.gone_seen.remove(name);
+                    None
+                }
+                None => None,
+            };
+            let missing_since = if entry_present {
                 memory.missing.remove(name);
                 None
             } else {
                 Some(*memory.missing.entry(name.to_string()).or_insert(now))
-            }
+            };
+            (missing_since, seen_gone)
         };
         let pod = self.pods.get(&spec.pod.namespace, &spec.pod.name);
         let matcher = self.matcher.load();
@@ -645,11 +699,16 @@ impl Ctx {
                 namespace_exists: self.namespaces.get(&spec.pod.namespace).is_some(),
                 owner: self.owner_of(&rec),
                 missing_since,
+                seen_gone,
             },
             &self.settings.plan,
         );
         self.announce(&rec).await;
-        if Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
+        // A hold first looked at once it is already due (it waited behind a storm of new
+        // holds) is released without writing the countdown it no longer needs: a worker
+        // held by that write would be one more delay for every release behind it.
+        let releasing = matches!(decision.action, Action::Release { .. });
+        if !releasing && Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
             self.writes.status(&rec, &decision.status).await?;
         }
         match decision.action {
@@ -930,7 +989,7 @@ impl Ctx {
                 let removed = self.reservations.remove(group, &shard, &cidrs, &self.fence).await;
                 ((group, shard), removed)
             })
-            .buffer_unordered(8)
+            .buffer_unordered(SLOT_SHARDS_AT_ONCE)
             .collect()
             .await;
         let mut out = HashSet::new();
@@ -955,7 +1014,7 @@ impl Ctx {
                 let r = self.finish_release(&l).await;
                 (l, r)
             })
-            .buffer_unordered(16)
+            .buffer_unordered(SLOT_RECORDS_AT_ONCE)
             .collect()
             .await;
         let (done, failed_records): (Vec<_>, Vec<_>) = results.into_iter().partition(|(_, r)| r.is_ok());

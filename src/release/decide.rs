@@ -122,6 +122,10 @@ pub struct Facts<'a> {
     pub owner: Owner,
     /// Since when this leader has seen the entry missing.
     pub missing_since: Option<Timestamp>,
+    /// When this leader's stores first showed the Pod gone (a Pod or record event), if
+    /// the countdown is not written yet: a backlog of work before this hold must not
+    /// start its countdown late.
+    pub seen_gone: Option<Timestamp>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -147,14 +151,22 @@ fn plus(t: Timestamp, d: Duration) -> Timestamp {
     t.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX)).unwrap_or(Timestamp::MAX)
 }
 
+/// When a hold whose Pod is gone since `gone` falls due by its TTL (an operator's
+/// `extend` aside).
+pub fn ttl_due(rec: &ReservedIP, gone: Timestamp, settings: &PlanSettings) -> Timestamp {
+    plus(gone, reserve_for(rec, settings))
+}
+
+fn reserve_for(rec: &ReservedIP, settings: &PlanSettings) -> Duration {
+    rec.spec.reserve_for.parse::<capo_api::Duration>().map(|d| d.as_std()).unwrap_or(settings.default_reserve_for)
+}
+
 pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     let (now, rec) = (f.now, f.record);
     let spec = &rec.spec;
     let state = pod_state(rec, f.pod);
     let current = rec.status.clone().unwrap_or_default();
     let mut desired = current.clone();
-    let reserve_for =
-        spec.reserve_for.parse::<capo_api::Duration>().map(|d| d.as_std()).unwrap_or(settings.default_reserve_for);
     let extend_until =
         spec.manual.as_ref().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0);
 
@@ -181,10 +193,10 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             None
         }
         PodState::Gone => {
-            let gone = current.pod_gone_at.as_ref().map_or(now, |t| t.0);
+            let gone = current.pod_gone_at.as_ref().map(|t| t.0).or(f.seen_gone.filter(|t| *t <= now)).unwrap_or(now);
             desired.pod_gone_at = Some(MicroTime(gone));
             desired.pod_kept_since = None;
-            let release_at = extend_until.unwrap_or_else(|| plus(gone, reserve_for));
+            let release_at = extend_until.unwrap_or_else(|| ttl_due(rec, gone, settings));
             desired.release_at = Some(MicroTime(release_at));
             Some((release_at, ReleaseReason::Ttl))
         }
@@ -319,6 +331,7 @@ pub(crate) mod tests {
             namespace_exists: true,
             owner: Owner::Present,
             missing_since: None,
+            seen_gone: None,
         }
     }
 
@@ -341,6 +354,27 @@ pub(crate) mod tests {
             decide(&facts(&written, None, Some(&p), 260.0), &s).action,
             Action::Release { reason: ReleaseReason::Ttl, due: at(260.0) }
         );
+    }
+
+    #[test]
+    fn the_clock_starts_when_the_leader_saw_the_pod_gone_not_when_it_got_round_to_the_hold() {
+        let p = policy("p", json!({}));
+        let r = record("10.0.0.1", "p", 0.0, None);
+        let mut f = facts(&r, None, Some(&p), 200.0);
+        f.seen_gone = Some(at(150.0));
+        let d = decide(&f, &PlanSettings::default());
+        assert_eq!(d.status.pod_gone_at.as_ref().unwrap().0, at(150.0));
+        assert_eq!(d.action, Action::Wait(Some(at(210.0))));
+        // A countdown already written stays as written.
+        let written = record("10.0.0.1", "p", 0.0, gone_at(170.0));
+        let mut f = facts(&written, None, Some(&p), 200.0);
+        f.seen_gone = Some(at(150.0));
+        assert_eq!(decide(&f, &PlanSettings::default()).status.pod_gone_at.as_ref().unwrap().0, at(170.0));
+        // A Pod still there is not gone, whatever was seen before.
+        let deleting = pod_of(&r, true, "Running");
+        let mut f = facts(&r, Some(&deleting), Some(&p), 200.0);
+        f.seen_gone = Some(at(150.0));
+        assert!(decide(&f, &PlanSettings::default()).status.pod_gone_at.is_none());
     }
 
     #[test]

@@ -67,10 +67,9 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         }
     }
 
+    /// Queues `key`. A time it waits for stays set until it is handed out: a key queued
+    /// behind a backlog of ready work still moves up when its time comes.
     fn push_ready(inner: &mut Inner<K>, key: K, urgent: bool) {
-        if let Some((at, seq)) = inner.later.remove(&key) {
-            inner.timeline.remove(&(at, seq, key.clone()));
-        }
         if inner.active.contains(&key) {
             *inner.again.entry(key).or_default() |= urgent;
         } else if inner.queued.insert(key.clone()) {
@@ -98,13 +97,14 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
         self.wake.notify_one();
     }
 
-    /// Runs `key` at `at` at the latest (an earlier time already set wins).
+    /// Runs `key` at `at` at the latest (an earlier time already set wins); if it is
+    /// queued as merely ready by then, it moves up.
     pub fn add_at(&self, key: K, at: Instant) {
         if at <= Instant::now() {
             return self.add_urgent(key);
         }
         let mut inner = self.inner.lock().expect("queue lock");
-        if inner.queued.contains(&key) {
+        if inner.due.contains(&key) {
             return;
         }
         if let Some(&(prev, prev_seq)) = inner.later.get(&key) {
@@ -161,6 +161,10 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
                 }
                 while let Some(key) = inner.due.pop_front().or_else(|| inner.ready.pop_front()) {
                     if inner.queued.remove(&key) {
+                        // Handed out: the worker says when it wants it again.
+                        if let Some((at, seq)) = inner.later.remove(&key) {
+                            inner.timeline.remove(&(at, seq, key.clone()));
+                        }
                         inner.active.insert(key.clone());
                         return Some(key);
                     }
@@ -193,7 +197,7 @@ impl<K: Clone + Eq + Hash + Ord> WorkQueue<K> {
     /// Keys waiting (ready or for a time).
     pub fn len(&self) -> usize {
         let inner = self.inner.lock().expect("queue lock");
-        inner.queued.len() + inner.later.len()
+        inner.queued.len() + inner.later.keys().filter(|k| !inner.queued.contains(*k)).count()
     }
 
     /// Keys to run now (not those waiting for a time).
@@ -286,6 +290,33 @@ mod tests {
         q.add_urgent(100);
         q.done(&100);
         assert_eq!(q.next().await, Some(100));
+    }
+
+    /// A key in the backlog (a hold's record changed again, by the leader's own status
+    /// write) keeps its time: when its countdown runs out it moves up, instead of waiting
+    /// for the backlog ahead of it.
+    #[tokio::test(start_paused = true)]
+    async fn a_key_in_the_backlog_still_moves_up_when_its_time_comes() {
+        let q = queue();
+        q.add_after(100, Duration::from_secs(1));
+        q.add(101);
+        q.add_after(101, Duration::from_secs(1));
+        for k in 0..50 {
+            q.add(k);
+        }
+        q.add(100); // an event on 100 queues it behind the backlog...
+        tokio::time::advance(Duration::from_secs(2)).await;
+        // ...and its time still comes first, as does the time set while 101 was queued.
+        let first: Vec<u32> = vec![q.next().await.unwrap(), q.next().await.unwrap()];
+        assert_eq!(first, vec![100, 101]);
+        let rest: Vec<u32> = futures::future::join_all((0..50).map(|_| q.next())).await.into_iter().flatten().collect();
+        assert_eq!(rest, (0..50).collect::<Vec<_>>(), "each handed out once");
+        assert!(q.is_empty());
+        // Handed out, a key's time is spent: it does not come again by itself.
+        for k in (0..50).chain([100, 101]) {
+            q.done(&k);
+        }
+        assert!(tokio::time::timeout(Duration::from_secs(10), q.next()).await.is_err());
     }
 
     #[tokio::test(start_paused = true)]
