@@ -155,14 +155,7 @@ impl App {
             tokio::spawn(namespaces.clone().watch(client.clone(), readiness.clone())),
             tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
         ]);
-        match &calico.store {
-            Datastore::Etcd(etcd) => tasks.push(tokio::spawn(index.clone().watch_etcd(etcd.clone()))),
-            Datastore::Kubernetes(_) => {
-                for group in &watched {
-                    tasks.push(tokio::spawn(index.clone().watch(client.clone(), *group)));
-                }
-            }
-        }
+        watch_reservations(&client, &calico, &watched, &index, &mut tasks);
         // The epoch a new leader takes is above every epoch on capo's reservations.
         let floor: crate::leader::EpochFloor = {
             let index = index.clone();
@@ -221,11 +214,11 @@ impl App {
             let engine = ReleaseEngine {
                 client: leader_client.clone(),
                 reservations: Reservations::in_datastore(calico.leader_store.clone(), calico_api, index.clone()),
-                served: watched.clone(),
+                served: watched,
                 pods: pods.clone(),
-                namespaces: namespaces.clone(),
+                namespaces,
                 matcher: matcher.clone(),
-                policy_changes: policy_changes.clone(),
+                policy_changes,
                 settings: release.engine.clone(),
                 metrics: metrics.clone(),
                 identity: release.identity.clone(),
@@ -294,6 +287,25 @@ impl CalicoDatastore {
 
 /// Calico's etcd when configured (it keeps `projectcalico.org/v3` objects only), else the
 /// API server with the group detected the way Calico detects it.
+/// Watches capo's reservations into `index`: through the API server, each served Calico
+/// API group, or in Calico's etcd.
+fn watch_reservations(
+    client: &Client,
+    calico: &CalicoDatastore,
+    watched: &[CalicoApiGroup],
+    index: &Arc<ReservationIndex>,
+    tasks: &mut Tasks,
+) {
+    match &calico.store {
+        Datastore::Etcd(etcd) => tasks.push(tokio::spawn(index.clone().watch_etcd(etcd.clone()))),
+        Datastore::Kubernetes(_) => {
+            for group in watched {
+                tasks.push(tokio::spawn(index.clone().watch(client.clone(), *group)));
+            }
+        }
+    }
+}
+
 async fn calico_datastore(
     client: &Client,
     leader_client: &Client,

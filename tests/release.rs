@@ -165,6 +165,53 @@ async fn a_burst_of_holds_is_announced_one_by_one_up_to_ten_then_summed_up_on_th
     assert!(note.contains(&ip.to_string()), "{note}");
 }
 
+/// A storm of new holds keeps the leader's workers busy with status writes; here one
+/// worker, and the fault proxy holds every status write back 2 s. A hold's countdown still
+/// runs from when the leader saw its Pod gone, and the hold is released when it runs out,
+/// not after the status writes of the holds queued before it (six holds, a 2 s TTL: the
+/// last one would count from about 10 s and be released at about 12 s).
+#[tokio::test]
+async fn a_backlog_of_status_writes_neither_starts_countdowns_late_nor_delays_releases() {
+    use axum::http::Method;
+    use support::faults::{Fault, FaultProxy, Rule};
+    let (client, ns) = setup("rel-backlog").await;
+    let proxy = FaultProxy::start(client.clone()).await;
+    let mut settings = leading_settings(&ns.name, "a", Duration::from_secs(600));
+    settings.release.as_mut().unwrap().engine.workers = 1;
+    let capo = start_capo_with(&proxy.client(), &ns.name, settings).await;
+    let spec =
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "2s", "releaseInterval": "100ms" });
+    let Scene { client, ns, capo: _capo, .. } = scene_with(client, ns, capo, spec).await;
+    let mut ips = Vec::new();
+    for i in 0..6 {
+        ips.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+    }
+    proxy.set(vec![Rule::new(Method::PATCH, "/status", Fault::Delay(Duration::from_secs(2)))]);
+    let deleted = Instant::now();
+    futures::future::join_all((0..6).map(|i| {
+        let (client, ns) = (client.clone(), ns.name.clone());
+        async move { delete_pod(&client, &ns, &format!("redis-{i}")).await.expect("deletion allowed") }
+    }))
+    .await;
+    // When each record goes (its entry is removed first), polled every 50 ms.
+    let mut released: Vec<Option<Duration>> = vec![None; ips.len()];
+    while released.iter().any(Option::is_none) && deleted.elapsed() < Duration::from_secs(30) {
+        for (i, ip) in ips.iter().enumerate() {
+            if released[i].is_none() && record(&client, *ip).await.is_none() {
+                released[i] = Some(deleted.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let released: Vec<Duration> = released.into_iter().map(|r| r.expect("every hold released")).collect();
+    eprintln!("released after {released:?}");
+    assert!(proxy.injected() > 0, "status writes were held back");
+    let first = released.iter().min().unwrap();
+    let last = released.iter().max().unwrap();
+    assert!(*first >= Duration::from_secs(2), "never before the TTL: {released:?}");
+    assert!(*last <= Duration::from_secs(7), "each released when its own countdown ran out: {released:?}");
+}
+
 #[tokio::test]
 async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     let (client, ns) = setup("rel-ha").await;

@@ -234,15 +234,8 @@ async fn one_pod_event_costs_the_leader_only_that_pods_hold() {
     let capo = capo::App::start(proxy.client(), leading_settings(&ns.name, "a", Duration::from_secs(600)))
         .await
         .expect("start capo");
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" }),
-    )
-    .await;
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" });
+    let Scene { client, ns, capo, .. } = scene_with(client, ns, capo, spec).await;
     // 100 holds through the webhook, all counted down (their Pods gone).
     let ips = many_pods(&client, &ns.name, "redis", 100).await;
     let canary = Ips::v4();

@@ -667,25 +667,7 @@ impl Ctx {
         let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
         let now = Timestamp::now();
         let entry_present = self.index.get(group, &spec.reservation).is_some_and(|v| v.position(&spec.cidr).is_some());
-        let (missing_since, seen_gone) = {
-            let mut memory = self.memory.lock().expect("memory lock");
-            let uid = rec.uid().unwrap_or_default();
-            let seen_gone = match memory.gone_seen.get(name) {
-                Some((u, at)) if *u == uid && rec.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none()) => Some(*at),
-                Some(_) => {
-                    memory.gone_seen.remove(name);
-                    None
-                }
-                None => None,
-            };
-            let missing_since = if entry_present {
-                memory.missing.remove(name);
-                None
-            } else {
-                Some(*memory.missing.entry(name.to_string()).or_insert(now))
-            };
-            (missing_since, seen_gone)
-        };
+        let (missing_since, seen_gone) = self.remembered(&rec, entry_present, now);
         let pod = self.pods.get(&spec.pod.namespace, &spec.pod.name);
         let matcher = self.matcher.load();
         let policy = matcher.get(&spec.policy).cloned();
@@ -738,6 +720,34 @@ impl Ctx {
                 Ok(None)
             }
         }
+    }
+
+    /// What this leader remembers of a hold: since when its entry has been missing (noted
+    /// now if it is), and when its Pod was seen gone (while its countdown is not written).
+    fn remembered(
+        &self,
+        rec: &capo_api::ReservedIP,
+        entry_present: bool,
+        now: Timestamp,
+    ) -> (Option<Timestamp>, Option<Timestamp>) {
+        let name = rec.name_any();
+        let uid = rec.uid().unwrap_or_default();
+        let mut memory = self.memory.lock().expect("memory lock");
+        let seen_gone = match memory.gone_seen.get(&name) {
+            Some((u, at)) if *u == uid && rec.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none()) => Some(*at),
+            Some(_) => {
+                memory.gone_seen.remove(&name);
+                None
+            }
+            None => None,
+        };
+        let missing_since = if entry_present {
+            memory.missing.remove(&name);
+            None
+        } else {
+            Some(*memory.missing.entry(name).or_insert(now))
+        };
+        (missing_since, seen_gone)
     }
 
     /// A record that appeared while this replica leads: an `IPHeld` Event on its Pod, or,

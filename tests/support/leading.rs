@@ -71,6 +71,12 @@ pub struct Scene {
 pub async fn scene(prefix: &str, kept_grace: Duration, spec: serde_json::Value) -> Scene {
     let (client, ns) = setup(prefix).await;
     let capo = start_leading(&client, &ns.name, "a", kept_grace).await;
+    scene_with(client, ns, capo, spec).await
+}
+
+/// A [`Scene`] around a capo started by the test (its own settings or client): once it
+/// leads, with the policy `<namespace>-p` applied and Ready.
+pub async fn scene_with(client: Client, ns: TestNamespace, capo: capo::App, spec: serde_json::Value) -> Scene {
     wait_leader(&capo).await;
     let policy = format!("{}-p", ns.name);
     apply_policy(&client, &policy, &ns.name, spec).await;
