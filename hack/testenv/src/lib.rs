@@ -145,7 +145,34 @@ pub struct ControlPlane {
 /// The name of the IPAM driver's component (and log, `capo-calico-ipam.log`).
 pub const CALICO_IPAM: &str = "capo-calico-ipam";
 
+/// Ports handed out by [`free_port`] lie here: below Linux's ephemeral range (32768 and up
+/// by default), where the kernel picks the local port of every outgoing connection. A
+/// port asked of the kernel (`:0`) comes from that range, and a client connecting before
+/// the component binds it could take it: a CI run failed on exactly that
+/// ("kube-scheduler … bind: address already in use").
+const PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A port nothing listens on now, not handed out before by this process.
 fn free_port() -> Result<u16, Error> {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let seed =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let mut x = (seed as u64)
+        ^ ((std::process::id() as u64) << 32)
+        ^ (given.len() as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let span = (PORTS.end - PORTS.start) as u64;
+    for _ in 0..1_000 {
+        // xorshift64: enough to spread the picks of concurrent test processes.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let port = PORTS.start + (x % span) as u16;
+        if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
+            return Ok(port);
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0").map_err(|source| Error::Io { path: "127.0.0.1:0".into(), source })?;
     Ok(l.local_addr().map_err(|source| Error::Io { path: "127.0.0.1:0".into(), source })?.port())
 }
@@ -702,4 +729,17 @@ fn kwok_stages(from: &Path, to: &Path) -> Result<(), Error> {
     out.push_str("---\n");
     out.push_str(KWOK_POD_STAGES);
     std::fs::write(to, out).map_err(io(to))
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::*;
+
+    #[test]
+    fn ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice() {
+        let ports: Vec<u16> = (0..200).map(|_| free_port().unwrap()).collect();
+        assert!(ports.iter().all(|p| PORTS.contains(p)), "{ports:?}");
+        let distinct: std::collections::BTreeSet<&u16> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len());
+    }
 }
