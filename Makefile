@@ -3,7 +3,8 @@ SHELL := /usr/bin/env bash
 .DEFAULT_GOAL := help
 
 TESTENV_DIR ?= .testenv
-# Calico's datastore in `make testenv-up`: kubernetes (CRDs), etcd (its own etcd, TLS), off.
+# Calico's datastore in `make testenv-up`: kubernetes (CRDs), etcd (its own etcd, TLS),
+# apiserver (CRDs and calico-apiserver serving projectcalico.org/v3 as their view), off.
 TESTENV_CALICO ?= kubernetes
 export KUBECONFIG_TESTENV := $(abspath $(TESTENV_DIR))/kubeconfig
 
@@ -13,15 +14,20 @@ help: ## List the targets
 
 # Calico's IPAM driver (hack/calico-ipam: Calico's IPAM library at v3.28.5), the same for
 # every Kubernetes version.
-CALICO_IPAM_ENV = CAPO_CALICO_IPAM="$$(bash hack/build-calico-ipam.sh 2>/dev/null | tail -n1)"
+CALICO_IPAM_ENV = CAPO_CALICO_IPAM="$$(bash hack/build-calico-ipam.sh 2>/dev/null | tail -n1)" \
+  CAPO_CALICO_APISERVER="$$(bash hack/build-calico-apiserver.sh 2>/dev/null | tail -n1)"
 
 .PHONY: controlplane
-controlplane: calico-ipam ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok, Calico IPAM
+controlplane: calico-ipam calico-apiserver ## Build (or reuse cached) etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok, Calico IPAM and calico-apiserver
 	@bash hack/build-controlplane.sh >/dev/null
 
 .PHONY: calico-ipam
 calico-ipam: ## Build (or reuse cached) capo-calico-ipam, the test environment's Calico IPAM (v3.28.5)
 	@bash hack/build-calico-ipam.sh >/dev/null
+
+.PHONY: calico-apiserver
+calico-apiserver: calico-ipam ## Build (or reuse cached) calico-apiserver (v3.28.5), for the calico-apiserver tests and testenv-up TESTENV_CALICO=apiserver
+	@bash hack/build-calico-apiserver.sh >/dev/null
 
 .PHONY: argocd
 argocd: ## Build (or reuse cached) Argo CD's controller and repo server, kustomize and helm for the GitOps tests
@@ -62,7 +68,7 @@ test-latest: controlplane argocd tools ## Run every test on the default control 
 .PHONY: test-compat
 # The GitOps suite (tests/gitops.rs, a real Argo CD) runs in test-latest only; here its
 # tests say they are skipped.
-test-compat: tools calico-ipam ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30), but the GitOps suite
+test-compat: tools calico-ipam calico-apiserver ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30), but the GitOps suite
 	@CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh >/dev/null
 	CAPO_TESTENV_BIN="$$(CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
 	  CAPO_SKIP_GITOPS=1 cargo test --workspace

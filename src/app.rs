@@ -146,9 +146,9 @@ impl App {
         let readiness = Arc::new(Readiness::new(settings.watch_failure_grace));
         let pods = Arc::new(PodStore::default());
         let namespaces = Arc::new(NamespaceStore::default());
-        let index = Arc::new(ReservationIndex::default());
         let matcher: SharedMatcher = Arc::new(ArcSwap::from_pointee(Matcher::default()));
         let calico = calico_datastore(&client, &leader_client, &settings).await?;
+        let index = Arc::new(ReservationIndex::with_alias(calico.detected.alias()));
         let calico_api = calico.detected.chosen;
         let watched = calico.watched();
         let mut tasks = Tasks(vec![
@@ -161,7 +161,7 @@ impl App {
             let index = index.clone();
             Arc::new(move || index.all().values().filter_map(|(_, v)| v.epoch).max().unwrap_or(0))
         };
-        let (election, fence) = elect(&settings, &leader_client, &index, &calico.detected.served, floor).await?;
+        let (election, fence) = elect(&settings, &leader_client, &index, &watched, floor).await?;
         let (policy_changes, _) = tokio::sync::broadcast::channel(64);
         tasks.push(tokio::spawn(
             PolicyController::new(
@@ -178,7 +178,9 @@ impl App {
 
         let (serving, ca_pem, cert_watcher) = serving_cert(&client, &settings, &metrics, &mut tasks).await?;
 
-        let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone());
+        let restored = metrics.release.repairs.with_label_values(&["labels_restored"]);
+        let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone())
+            .counting_restores(restored.clone());
         let admission = Arc::new(Admission {
             matcher: matcher.clone(),
             pods: pods.clone(),
@@ -213,7 +215,8 @@ impl App {
         if let (Some(release), Some(fence)) = (&settings.release, &fence) {
             let engine = ReleaseEngine {
                 client: leader_client.clone(),
-                reservations: Reservations::in_datastore(calico.leader_store.clone(), calico_api, index.clone()),
+                reservations: Reservations::in_datastore(calico.leader_store.clone(), calico_api, index.clone())
+                    .counting_restores(restored),
                 served: watched,
                 pods: pods.clone(),
                 namespaces,
@@ -275,13 +278,9 @@ struct CalicoDatastore {
 }
 
 impl CalicoDatastore {
-    /// The groups watched: every served one, and the one holds go to.
+    /// The groups watched: each store once (see [`Detected::watched`]).
     fn watched(&self) -> Vec<CalicoApiGroup> {
-        let mut watched = self.detected.served.clone();
-        if !watched.contains(&self.detected.chosen) {
-            watched.push(self.detected.chosen);
-        }
-        watched
+        self.detected.watched()
     }
 }
 
@@ -318,7 +317,7 @@ async fn calico_datastore(
             CalicoDatastore {
                 store: Datastore::Etcd(etcd.clone()),
                 leader_store: Datastore::Etcd(etcd),
-                detected: Detected { chosen: CalicoApiGroup::V3, served: vec![CalicoApiGroup::V3] },
+                detected: Detected::only(CalicoApiGroup::V3),
             }
         }
         None => CalicoDatastore {

@@ -115,6 +115,7 @@ async fn capos_service_account_has_least_privilege() {
         &["create", "events.events.k8s.io", "-n", "shop"],
         &["patch", "leases.coordination.k8s.io", "-n", "capo-system"],
         &["watch", "statefulsets.apps"],
+        &["get", "apiservices.apiregistration.k8s.io/v3.projectcalico.org"],
         // Self-managed certificates: its own Secret, and the caBundle of its own webhook.
         &["get", "secrets/capo-webhook-tls", "-n", "capo-system"],
         &["watch", "secrets/capo-webhook-tls", "-n", "capo-system"],
@@ -141,6 +142,8 @@ async fn capos_service_account_has_least_privilege() {
         &["delete", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
         &["patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
         &["get", "statefulsets.apps"],
+        &["get", "apiservices.apiregistration.k8s.io/v1.capo.io"],
+        &["list", "apiservices.apiregistration.k8s.io"],
     ];
     for (want, cases) in [(true, allowed), (false, denied)] {
         for args in cases {

@@ -2,6 +2,14 @@
 //! serves: shards by name, which shard holds an entry, and how full each is. The webhook
 //! picks shards and checks for entries already held from it; the leader releases from it
 //! (no read before a write). Subscribers get the entries each change added or removed.
+//!
+//! One stored object is one shard, whatever API serves it: where calico-apiserver serves
+//! `projectcalico.org/v3` as a view of the `crd.projectcalico.org/v1` objects, only one
+//! group is watched and the other is an alias of it ([`ReservationIndex::with_alias`]).
+//! A write through that view moves every label and annotation of the stored object into
+//! one annotation, [`CALICO_METADATA_ANNOTATION`]; a shard is read the way Calico reads
+//! it back (its labels and annotations merged with those in that annotation), so capo
+//! still knows it as its own, and [`ShardView::moved`] says its labels need putting back.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -22,6 +30,50 @@ use super::etcd::{Etcd, Kv, PrefixEvent};
 /// A reservation, by API group and name.
 pub type ShardKey = (CalicoApiGroup, String);
 
+/// Where Calico keeps the labels and annotations of an object written through
+/// `projectcalico.org/v3` (by calico-apiserver, `calicoctl`, or Calico's own client on the
+/// Kubernetes datastore): one JSON `ObjectMeta` in this annotation of the stored
+/// `crd.projectcalico.org/v1` object.
+pub const CALICO_METADATA_ANNOTATION: &str = "projectcalico.org/metadata";
+
+/// What [`CALICO_METADATA_ANNOTATION`] holds that capo reads.
+#[derive(Default, serde::Deserialize)]
+struct MovedMetadata {
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+/// An object's labels and annotations as Calico reads them back: its own, merged with
+/// those moved into [`CALICO_METADATA_ANNOTATION`] (which win), that annotation left out.
+/// `moved` says whether any were found there.
+pub struct Effective {
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub moved: bool,
+}
+
+impl Effective {
+    pub fn of(obj: &DynamicObject) -> Self {
+        let mut labels = obj.labels().clone();
+        let mut annotations = obj.annotations().clone();
+        let moved = annotations
+            .remove(CALICO_METADATA_ANNOTATION)
+            .and_then(|m| serde_json::from_str::<MovedMetadata>(&m).ok())
+            .unwrap_or_default();
+        let found = moved.labels.as_ref().is_some_and(|l| !l.is_empty())
+            || moved.annotations.as_ref().is_some_and(|a| !a.is_empty());
+        labels.extend(moved.labels.unwrap_or_default());
+        annotations.extend(moved.annotations.unwrap_or_default());
+        Self { labels, annotations, moved: found }
+    }
+
+    pub fn is_owned(&self) -> bool {
+        self.labels.get(MANAGED_BY_LABEL).map(String::as_str) == Some(MANAGED_BY_VALUE)
+    }
+}
+
 /// One capo-owned reservation as last seen.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ShardView {
@@ -33,6 +85,10 @@ pub struct ShardView {
     pub epoch: Option<u64>,
     pub has_annotations: bool,
     pub resource_version: Option<String>,
+    /// A write through `projectcalico.org/v3` moved its labels and annotations into
+    /// [`CALICO_METADATA_ANNOTATION`]: capo's writes, which test its labels, need them
+    /// put back first.
+    pub moved: bool,
 }
 
 impl ShardView {
@@ -41,13 +97,15 @@ impl ShardView {
             .as_array()
             .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
             .unwrap_or_default();
+        let meta = Effective::of(obj);
         Self {
             name: obj.name_any(),
-            policy: obj.labels().get(POLICY_LABEL).cloned(),
+            policy: meta.labels.get(POLICY_LABEL).cloned(),
             entries,
-            epoch: obj.annotations().get(LEADER_EPOCH_ANNOTATION).and_then(|e| e.parse().ok()),
+            epoch: meta.annotations.get(LEADER_EPOCH_ANNOTATION).and_then(|e| e.parse().ok()),
             has_annotations: obj.metadata.annotations.is_some(),
             resource_version: obj.metadata.resource_version.clone(),
+            moved: meta.moved,
         }
     }
 
@@ -55,8 +113,10 @@ impl ShardView {
         self.entries.iter().position(|e| e == entry)
     }
 
+    /// Whether `obj` is capo's: labelled so, directly or (after a write through
+    /// `projectcalico.org/v3`) in [`CALICO_METADATA_ANNOTATION`].
     pub fn is_owned(obj: &DynamicObject) -> bool {
-        obj.labels().get(MANAGED_BY_LABEL).map(String::as_str) == Some(MANAGED_BY_VALUE)
+        Effective::of(obj).is_owned()
     }
 }
 
@@ -118,20 +178,41 @@ pub struct ReservationIndex {
     inner: RwLock<Inner>,
     events: broadcast::Sender<IndexEvent>,
     synced: watch::Sender<HashSet<CalicoApiGroup>>,
+    /// `(alias, canonical)`: the objects named through `alias` are those of `canonical`.
+    alias: Option<(CalicoApiGroup, CalicoApiGroup)>,
 }
 
 impl Default for ReservationIndex {
     fn default() -> Self {
-        Self {
-            inner: Default::default(),
-            events: broadcast::channel(4096).0,
-            synced: watch::Sender::new(HashSet::new()),
-        }
+        Self::with_alias(None)
     }
 }
 
 impl ReservationIndex {
+    /// An index in which group `alias.0` names the same objects as group `alias.1` (where
+    /// calico-apiserver serves `projectcalico.org/v3` as a view of
+    /// `crd.projectcalico.org/v1`): a shard or record that names either is one object,
+    /// kept once, under `alias.1` (the group capo watches and writes through).
+    pub fn with_alias(alias: Option<(CalicoApiGroup, CalicoApiGroup)>) -> Self {
+        Self {
+            inner: Default::default(),
+            events: broadcast::channel(4096).0,
+            synced: watch::Sender::new(HashSet::new()),
+            alias,
+        }
+    }
+
+    /// The group capo reads and writes the objects `group` names through: itself, unless
+    /// it is an alias of another.
+    pub fn canonical(&self, group: CalicoApiGroup) -> CalicoApiGroup {
+        match self.alias {
+            Some((view, stored)) if view == group => stored,
+            _ => group,
+        }
+    }
+
     pub fn get(&self, group: CalicoApiGroup, name: &str) -> Option<Arc<ShardView>> {
+        let group = self.canonical(group);
         self.inner.read().expect("index lock").shards.get(&(group, name.to_string())).cloned()
     }
 
@@ -159,23 +240,27 @@ impl ReservationIndex {
 
     /// Waits until the first list of `group` is in.
     pub async fn synced(&self, group: CalicoApiGroup) {
+        let group = self.canonical(group);
         let mut rx = self.synced.subscribe();
         let _ = rx.wait_for(|s| s.contains(&group)).await;
     }
 
     fn apply(&self, group: CalicoApiGroup, view: ShardView) {
+        let group = self.canonical(group);
         let key = (group, view.name.clone());
         let (added, removed) = self.inner.write().expect("index lock").put(&key, Some(view));
         let _ = self.events.send(IndexEvent::Shard { key, added, removed });
     }
 
     fn delete(&self, group: CalicoApiGroup, name: String) {
+        let group = self.canonical(group);
         let key = (group, name);
         let (added, removed) = self.inner.write().expect("index lock").put(&key, None);
         let _ = self.events.send(IndexEvent::Shard { key, added, removed });
     }
 
     fn replace(&self, group: CalicoApiGroup, views: Vec<ShardView>) {
+        let group = self.canonical(group);
         {
             let mut inner = self.inner.write().expect("index lock");
             let stale: Vec<ShardKey> = inner.shards.keys().filter(|k| k.0 == group).cloned().collect();
@@ -194,24 +279,35 @@ impl ReservationIndex {
     }
 
     /// Keeps the index current for `group` (capo-owned objects only) until the task is
-    /// dropped.
+    /// dropped. Every IPReservation is watched, not only those labelled as capo's: a write
+    /// through `projectcalico.org/v3` moves the labels of the stored object into
+    /// [`CALICO_METADATA_ANNOTATION`], and a label-selected watch would lose the shard
+    /// (clusters keep few reservations of their own; capo keeps none of theirs).
     pub async fn watch(self: Arc<Self>, client: Client, group: CalicoApiGroup) {
         let api = Api::<DynamicObject>::all_with(client, &group.ip_reservation());
-        let config = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
         let what = match group {
             CalicoApiGroup::CrdV1 => "reservations (crd.projectcalico.org/v1)",
             CalicoApiGroup::V3 => "reservations (projectcalico.org/v3)",
         };
-        let mut events = watcher(api, config).default_backoff().boxed();
+        let mut events = watcher(api, watcher::Config::default()).default_backoff().boxed();
         let mut listing = Vec::new();
         while let Some(event) = events.next().await {
             match event {
                 Ok(watcher::Event::Init) => listing.clear(),
-                Ok(watcher::Event::InitApply(obj)) => listing.push(ShardView::from_object(&obj)),
+                Ok(watcher::Event::InitApply(obj)) if ShardView::is_owned(&obj) => {
+                    listing.push(ShardView::from_object(&obj))
+                }
+                Ok(watcher::Event::InitApply(_)) => {}
                 Ok(watcher::Event::InitDone) => self.replace(group, std::mem::take(&mut listing)),
-                Ok(watcher::Event::Apply(obj)) => self.apply(group, ShardView::from_object(&obj)),
-                Ok(watcher::Event::Delete(obj)) => self.delete(group, obj.name_any()),
-                Err(e) => warn!(watch = what, error = %e, "watching capo's IPReservations failed; retrying"),
+                Ok(watcher::Event::Apply(obj)) if ShardView::is_owned(&obj) => {
+                    self.apply(group, ShardView::from_object(&obj))
+                }
+                Ok(watcher::Event::Apply(obj)) | Ok(watcher::Event::Delete(obj)) => {
+                    if self.get(group, &obj.name_any()).is_some() {
+                        self.delete(group, obj.name_any());
+                    }
+                }
+                Err(e) => warn!(watch = what, error = %e, "watching Calico's IPReservations failed; retrying"),
             }
         }
     }
@@ -286,5 +382,67 @@ mod tests {
         index.replace(CalicoApiGroup::CrdV1, vec![view("capo-q", &["10.0.0.9/32"])]);
         assert!(index.get(CalicoApiGroup::CrdV1, "capo-p").is_none());
         assert_eq!(index.shards_with("10.0.0.9/32").len(), 1);
+    }
+
+    fn object(labels: serde_json::Value, annotations: serde_json::Value) -> DynamicObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "crd.projectcalico.org/v1", "kind": "IPReservation",
+            "metadata": { "name": "capo-p", "labels": labels, "annotations": annotations, "resourceVersion": "7" },
+            "spec": { "reservedCIDRs": ["10.0.0.1/32"] },
+        }))
+        .unwrap()
+    }
+
+    /// What calico-apiserver leaves of a shard after a write through projectcalico.org/v3:
+    /// no labels, one annotation holding them. capo reads it the way Calico reads it back.
+    #[test]
+    fn a_shard_written_through_v3_is_still_capos_and_says_its_labels_moved() {
+        let meta = serde_json::json!({
+            "creationTimestamp": "2026-11-26T06:29:40Z",
+            "labels": { MANAGED_BY_LABEL: MANAGED_BY_VALUE, POLICY_LABEL: "p", "team": "db" },
+            "annotations": { LEADER_EPOCH_ANNOTATION: "3" },
+        });
+        let moved = object(serde_json::json!({}), serde_json::json!({ CALICO_METADATA_ANNOTATION: meta.to_string() }));
+        assert!(ShardView::is_owned(&moved));
+        let view = ShardView::from_object(&moved);
+        assert_eq!(view.policy.as_deref(), Some("p"));
+        assert_eq!(view.epoch, Some(3));
+        assert!(view.moved);
+        assert_eq!(view.entries, vec!["10.0.0.1/32".to_string()]);
+
+        // Moved values win over stale ones left on the object, as in Calico's reading.
+        let both = object(
+            serde_json::json!({ MANAGED_BY_LABEL: MANAGED_BY_VALUE, POLICY_LABEL: "p" }),
+            serde_json::json!({ LEADER_EPOCH_ANNOTATION: "1", CALICO_METADATA_ANNOTATION: meta.to_string() }),
+        );
+        assert_eq!(ShardView::from_object(&both).epoch, Some(3));
+
+        let plain = object(
+            serde_json::json!({ MANAGED_BY_LABEL: MANAGED_BY_VALUE, POLICY_LABEL: "p" }),
+            serde_json::json!({ CALICO_METADATA_ANNOTATION: r#"{"creationTimestamp":"2026-11-26T06:29:40Z"}"# }),
+        );
+        assert!(!ShardView::from_object(&plain).moved, "nothing moved: only Calico's own metadata there");
+        let foreign = object(
+            serde_json::json!({}),
+            serde_json::json!({ CALICO_METADATA_ANNOTATION: r#"{"labels":{"team":"db"}}"# }),
+        );
+        assert!(!ShardView::is_owned(&foreign));
+        let garbled = object(serde_json::json!({}), serde_json::json!({ CALICO_METADATA_ANNOTATION: "{not json" }));
+        assert!(!ShardView::is_owned(&garbled), "an annotation capo cannot read makes nothing capo's");
+    }
+
+    /// Where v3 is calico-apiserver's view of v1, a shard or record naming either group is
+    /// one shard, kept under the group capo watches.
+    #[test]
+    fn an_alias_group_names_the_same_shards() {
+        let index = ReservationIndex::with_alias(Some((CalicoApiGroup::V3, CalicoApiGroup::CrdV1)));
+        index.apply(CalicoApiGroup::CrdV1, view("capo-p", &["10.0.0.1/32"]));
+        index.apply(CalicoApiGroup::V3, view("capo-p", &["10.0.0.1/32", "10.0.0.2/32"]));
+        assert_eq!(index.all().len(), 1, "one object, one shard");
+        assert_eq!(index.shards_with("10.0.0.1/32").len(), 1);
+        assert_eq!(index.shards_with("10.0.0.1/32")[0].0, CalicoApiGroup::CrdV1);
+        assert!(index.get(CalicoApiGroup::V3, "capo-p").is_some_and(|v| v.entries.len() == 2));
+        assert_eq!(index.canonical(CalicoApiGroup::V3), CalicoApiGroup::CrdV1);
+        assert_eq!(ReservationIndex::default().canonical(CalicoApiGroup::V3), CalicoApiGroup::V3);
     }
 }

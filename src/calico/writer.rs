@@ -21,19 +21,50 @@ use capo_api::calico::RESERVED_CIDRS;
 use capo_api::keys::{LEADER_EPOCH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL, shard_name};
 use kube::api::DynamicObject;
 use kube::core::Status;
-use kube::{Client, Error as KubeError};
+use kube::{Client, Error as KubeError, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::datastore::Datastore;
 use super::entry::pointer_escape;
-use super::index::{ReservationIndex, ShardView};
+use super::index::{CALICO_METADATA_ANNOTATION, Effective, ReservationIndex, ShardView};
 use super::shards::{self, SHARD_SIZE};
 use crate::leader::{Fence, NotLeader};
 
 /// How often one write retries after conflicts or throttling.
 const ATTEMPTS: usize = 10;
+
+/// The patch that puts back what a write through `projectcalico.org/v3` moved into
+/// [`CALICO_METADATA_ANNOTATION`] (`None`: nothing was moved), tested against the
+/// object's resourceVersion.
+fn restore_patch(obj: &DynamicObject) -> Option<Vec<Value>> {
+    let meta = Effective::of(obj);
+    if !meta.moved {
+        return None;
+    }
+    let mut annotations = meta.annotations;
+    // What else Calico keeps there (creation time, uid, owners) stays.
+    let rest = obj
+        .annotations()
+        .get(CALICO_METADATA_ANNOTATION)
+        .and_then(|m| serde_json::from_str::<serde_json::Map<String, Value>>(m).ok())
+        .map(|mut m| {
+            m.remove("labels");
+            m.remove("annotations");
+            m
+        })
+        .filter(|m| !m.is_empty());
+    if let Some(rest) = rest {
+        annotations.insert(CALICO_METADATA_ANNOTATION.to_string(), Value::Object(rest).to_string());
+    }
+    let rv = obj.metadata.resource_version.clone().unwrap_or_default();
+    Some(vec![
+        json!({ "op": "test", "path": "/metadata/resourceVersion", "value": rv }),
+        json!({ "op": "add", "path": "/metadata/labels", "value": meta.labels }),
+        json!({ "op": "add", "path": "/metadata/annotations", "value": annotations }),
+    ])
+}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CalicoError {
@@ -148,6 +179,8 @@ pub struct Reservations {
     queue: Arc<Mutex<Queue>>,
     /// Shard names found taken by an object that is not the policy's: skipped from now on.
     taken: Arc<Mutex<HashSet<(CalicoApiGroup, String)>>>,
+    /// Counts labels put back after a write through `projectcalico.org/v3`.
+    restored: Option<prometheus::IntCounter>,
 }
 
 impl Reservations {
@@ -159,7 +192,14 @@ impl Reservations {
 
     /// Holds go to `group` of `store` (Calico's etcd keeps `projectcalico.org/v3` only).
     pub fn in_datastore(store: Datastore, group: CalicoApiGroup, index: Arc<ReservationIndex>) -> Self {
-        Self { store, group, index, queue: Default::default(), taken: Default::default() }
+        let group = index.canonical(group);
+        Self { store, group, index, queue: Default::default(), taken: Default::default(), restored: None }
+    }
+
+    /// Counts each shard whose labels capo put back in `counter`.
+    pub fn counting_restores(mut self, counter: prometheus::IntCounter) -> Self {
+        self.restored = Some(counter);
+        self
     }
 
     pub fn group(&self) -> CalicoApiGroup {
@@ -445,28 +485,79 @@ impl Reservations {
         }
     }
 
-    /// Reads shard `name` and checks it is capo's (and `policy`'s, if given).
+    /// Reads shard `name` and checks it is capo's (and `policy`'s, if given). A shard whose
+    /// labels a write through `projectcalico.org/v3` moved into Calico's metadata
+    /// annotation gets them back first ([`Reservations::restore`]), so that the tests
+    /// capo's writes open with hold again.
     async fn read_owned(
         &self,
         group: CalicoApiGroup,
         name: &str,
         policy: Option<&str>,
     ) -> Result<ShardView, CalicoError> {
-        let obj = self.store.get(group, name).await.map_err(|e| self.classify(group, e))?;
+        let mut attempt = 0;
+        loop {
+            let obj = self.store.get(group, name).await.map_err(|e| self.classify(group, e))?;
+            if !ShardView::is_owned(&obj) {
+                return Err(CalicoError::NotOwned { name: name.to_string() });
+            }
+            let view = ShardView::from_object(&obj);
+            if let Some(p) = policy
+                && view.policy.as_deref() != Some(p)
+            {
+                return Err(CalicoError::OtherPolicy {
+                    name: name.to_string(),
+                    policy: p.to_string(),
+                    other: view.policy.clone(),
+                });
+            }
+            if !view.moved || attempt >= ATTEMPTS {
+                return Ok(view);
+            }
+            attempt += 1;
+            self.restore(group, &obj).await?;
+        }
+    }
+
+    /// Puts back the labels and annotations that a write through `projectcalico.org/v3`
+    /// (calico-apiserver, `calicoctl`, `kubectl` against v3) moved into Calico's metadata
+    /// annotation: the object ends as Calico reads it back (moved values win), with the
+    /// rest of that annotation kept, so the v3 view does not change. Only if the object is
+    /// unchanged since read. `Ok(true)`: restored; `Ok(false)`: nothing to do, or it
+    /// changed meanwhile (read again).
+    async fn restore(&self, group: CalicoApiGroup, obj: &DynamicObject) -> Result<bool, CalicoError> {
+        let Some(ops) = restore_patch(obj) else { return Ok(false) };
+        let name = obj.name_any();
+        match self.store.patch(group, &name, ops).await {
+            Ok(_) => {
+                warn!(
+                    reservation = %name,
+                    "a write through projectcalico.org/v3 had moved capo's labels into {CALICO_METADATA_ANNOTATION}; put them back"
+                );
+                if let Some(counter) = &self.restored {
+                    counter.inc();
+                }
+                Ok(true)
+            }
+            Err(KubeError::Api(s)) if matches!(s.code, 409 | 422 | 429 | 500 | 503 | 504) => Ok(false),
+            Err(KubeError::Api(s)) if s.code == 404 && !is_type_not_served(&s) => Ok(false),
+            Err(e) => Err(self.classify(group, e)),
+        }
+    }
+
+    /// The leader's look at a shard the watched copy shows with moved labels: puts them
+    /// back. `Ok(true)`: they were put back now.
+    pub async fn reown(&self, group: CalicoApiGroup, name: &str) -> Result<bool, CalicoError> {
+        let group = self.index.canonical(group);
+        let obj = match self.store.get(group, name).await {
+            Ok(obj) => obj,
+            Err(KubeError::Api(s)) if s.code == 404 && !is_type_not_served(&s) => return Ok(false),
+            Err(e) => return Err(self.classify(group, e)),
+        };
         if !ShardView::is_owned(&obj) {
-            return Err(CalicoError::NotOwned { name: name.to_string() });
+            return Ok(false);
         }
-        let view = ShardView::from_object(&obj);
-        if let Some(p) = policy
-            && view.policy.as_deref() != Some(p)
-        {
-            return Err(CalicoError::OtherPolicy {
-                name: name.to_string(),
-                policy: p.to_string(),
-                other: view.policy.clone(),
-            });
-        }
-        Ok(view)
+        self.restore(group, &obj).await
     }
 
     /// Gives a capo object without an entry list an empty one (only if unchanged since
@@ -560,6 +651,7 @@ impl Reservations {
         cidrs: &BTreeSet<String>,
         fence: &Fence,
     ) -> Result<BTreeSet<String>, CalicoError> {
+        let group = self.index.canonical(group);
         let Some(mut view) = self.index.get(group, name).map(|v| (*v).clone()) else {
             return Ok(BTreeSet::new());
         };
@@ -629,6 +721,7 @@ impl Reservations {
         cidr: &str,
         fence: &Fence,
     ) -> Result<(), CalicoError> {
+        let group = self.index.canonical(group);
         self.append(group, name, policy, Some(fence), BTreeSet::from([cidr.to_string()])).await.map(|_| ())
     }
 }
@@ -658,6 +751,42 @@ mod tests {
         let second = tokio::time::timeout(Duration::from_secs(5), reservations.add("capo-p", "p", "10.0.0.2/32")).await;
         assert!(matches!(second, Ok(Err(CalicoError::Api(_)))), "{second:?}");
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// The labels and annotations a write through v3 moved are put back as Calico reads
+    /// them (moved values win), the user's own kept, the rest of Calico's annotation kept,
+    /// and only if nothing changed since the read.
+    #[test]
+    fn moved_labels_are_put_back_as_calico_reads_them() {
+        let meta = json!({
+            "creationTimestamp": "2026-11-26T06:29:40Z",
+            "labels": { MANAGED_BY_LABEL: MANAGED_BY_VALUE, POLICY_LABEL: "p", "team": "db" },
+            "annotations": { LEADER_EPOCH_ANNOTATION: "3" },
+        });
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "crd.projectcalico.org/v1", "kind": "IPReservation",
+            "metadata": { "name": "capo-p", "resourceVersion": "42",
+                          "labels": { "projectcalico.org/kept": "x" },
+                          "annotations": { CALICO_METADATA_ANNOTATION: meta.to_string(), LEADER_EPOCH_ANNOTATION: "1" } },
+            "spec": { "reservedCIDRs": ["10.0.0.1/32"] },
+        }))
+        .unwrap();
+        let ops = restore_patch(&obj).expect("labels to put back");
+        assert_eq!(ops[0], json!({ "op": "test", "path": "/metadata/resourceVersion", "value": "42" }));
+        assert_eq!(
+            ops[1]["value"],
+            json!({ MANAGED_BY_LABEL: MANAGED_BY_VALUE, POLICY_LABEL: "p", "team": "db", "projectcalico.org/kept": "x" })
+        );
+        let annotations = &ops[2]["value"];
+        assert_eq!(annotations[LEADER_EPOCH_ANNOTATION], "3");
+        let rest: Value = serde_json::from_str(annotations[CALICO_METADATA_ANNOTATION].as_str().unwrap()).unwrap();
+        assert_eq!(rest, json!({ "creationTimestamp": "2026-11-26T06:29:40Z" }));
+
+        let mut restored = obj.clone();
+        restored.metadata.labels = serde_json::from_value(ops[1]["value"].clone()).unwrap();
+        restored.metadata.annotations = serde_json::from_value(annotations.clone()).unwrap();
+        assert!(restore_patch(&restored).is_none(), "nothing left to put back");
+        assert!(ShardView::from_object(&restored).epoch == Some(3) && !ShardView::from_object(&restored).moved);
     }
 
     /// A shard that is full by the watched copy, or another policy's, is skipped.

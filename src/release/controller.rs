@@ -560,6 +560,7 @@ impl Ctx {
             self.pool_of_changed(&r.spec.cidr);
             self.queue.add_after(Key::Policy(r.spec.policy.clone()), POLICY_GATHER);
             if let Ok(group) = r.spec.calico_api_group.parse::<CalicoApiGroup>() {
+                let group = self.index.canonical(group);
                 self.queue.add_after(Key::Shard(group, r.spec.reservation.clone()), SHARD_GATHER);
             }
         }
@@ -1105,6 +1106,7 @@ impl Ctx {
     /// One reservation: garbage out, foreign CIDRs reported, orphans adopted, redundant
     /// entries out.
     async fn shard(&self, group: CalicoApiGroup, name: &str) -> Result<Option<Instant>, ReleaseError> {
+        let group = self.index.canonical(group);
         let key = (group, name.to_string());
         let Some(view) = self.index.get(group, name) else {
             let mut memory = self.memory.lock().expect("memory lock");
@@ -1119,9 +1121,27 @@ impl Ctx {
         if !self.in_scope(&policy) {
             return Ok(None);
         }
+        if view.moved {
+            // A write through projectcalico.org/v3 moved capo's labels into Calico's
+            // metadata annotation: put them back before anything tests them.
+            let restored = self
+                .reservations
+                .reown(group, name)
+                .await
+                .map_err(|source| ReleaseError::Reservation { reservation: name.to_string(), source })?;
+            if restored {
+                let note = format!(
+                    "A write through projectcalico.org/v3 (calico-apiserver, calicoctl or kubectl) moved the labels of IPReservation {name} into its projectcalico.org/metadata annotation; capo put them back and keeps holding its entries"
+                );
+                self.event(&policy_ref(&policy), EventType::Warning, "LabelsRestored", "Repair", note).await;
+            }
+        }
+        // A record names the group its entry was written through; where both groups name
+        // one store, either name is this shard.
         let recorded_at = |ip| {
             self.records.get(&record_name(ip)).and_then(|r| {
-                Some((r.spec.calico_api_group.parse::<CalicoApiGroup>().ok()?, r.spec.reservation.clone()))
+                let group = r.spec.calico_api_group.parse::<CalicoApiGroup>().ok()?;
+                Some((self.index.canonical(group), r.spec.reservation.clone()))
             })
         };
         let plan = {

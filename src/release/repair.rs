@@ -111,6 +111,9 @@ mod tests {
         assert_eq!(seen.keys().collect::<Vec<_>>(), vec!["10.0.0.8/32"]);
     }
 
+    /// Where the two groups are two stores (native v3 CRDs beside v1). Where they are one
+    /// (calico-apiserver), the leader names both by one group before planning, so the
+    /// entry is recorded here (tests/calico_apiserver.rs).
     #[test]
     fn the_same_ip_recorded_in_the_other_group_is_redundant_here() {
         let view = ShardView { name: "capo-p".into(), entries: vec!["10.0.0.1/32".into()], ..Default::default() };

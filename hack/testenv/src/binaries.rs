@@ -34,6 +34,17 @@ pub fn locate_calico_ipam() -> Result<PathBuf, Error> {
     Ok(dir)
 }
 
+/// The calico-apiserver binary (`bin/calico-apiserver` under the directory
+/// `build-calico-apiserver.sh` prints, or `CAPO_CALICO_APISERVER`).
+pub fn locate_calico_apiserver() -> Result<PathBuf, Error> {
+    let dir = match std::env::var_os("CAPO_CALICO_APISERVER") {
+        Some(dir) => PathBuf::from(dir),
+        None => run_build_script("build-calico-apiserver.sh")?,
+    };
+    check(&dir, &["bin/calico-apiserver"])?;
+    Ok(dir.join("bin/calico-apiserver"))
+}
+
 /// Runs a build script of `hack/` and returns the directory it prints last.
 fn run_build_script(name: &str) -> Result<PathBuf, Error> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name);

@@ -13,6 +13,7 @@
 
 pub mod argocd;
 mod binaries;
+mod calico_apiserver;
 mod kubeconfig;
 mod nodes;
 mod pki;
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use kube::Client;
 
-pub use binaries::locate_calico_ipam;
+pub use binaries::{locate_calico_apiserver, locate_calico_ipam};
 pub use nodes::{KWOK_NODE_ANNOTATION, node_names};
 use process::Component;
 
@@ -80,6 +81,11 @@ pub enum Calico {
     /// Calico's etcd datastore: a separate etcd with TLS and client certificates, as
     /// kubeasz-style installs run it (see [`CalicoEtcd`]).
     Etcd,
+    /// The Kubernetes datastore with calico-apiserver (Calico's aggregated API server,
+    /// v3.28.5) serving `projectcalico.org/v3` behind an APIService, as a view of the
+    /// `crd.projectcalico.org/v1` objects: the arrangement of clusters installed by
+    /// Calico's operator before 3.32 (see `calico_apiserver.rs`).
+    ApiServer,
 }
 
 /// Calico's own etcd (with [`Calico::Etcd`]): what Calico's components are given as
@@ -278,6 +284,15 @@ impl ControlPlane {
                     // service-account controller for the default ServiceAccount.
                     "--disable-admission-plugins=ServiceAccount".into(),
                     "--allow-privileged=true".into(),
+                    // The front proxy, as kubeadm sets it up: aggregated API servers
+                    // (calico-apiserver) learn who is asking from these headers.
+                    path_arg("proxy-client-cert-file", &p("front-proxy-client.crt")),
+                    path_arg("proxy-client-key-file", &p("front-proxy-client.key")),
+                    path_arg("requestheader-client-ca-file", &p("front-proxy-ca.crt")),
+                    format!("--requestheader-allowed-names={}", pki::FRONT_PROXY_CLIENT),
+                    "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+                    "--requestheader-group-headers=X-Remote-Group".into(),
+                    "--requestheader-username-headers=X-Remote-User".into(),
                     "--v=1".into(),
                 ])
                 .collect(),
@@ -351,6 +366,9 @@ impl ControlPlane {
             if calico_dir.is_some() {
                 cp.wait_calico_ipam(Duration::from_secs(90)).await?;
             }
+            if calico == Calico::ApiServer {
+                cp.start_calico_apiserver(&client).await?;
+            }
             cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60)).await
         })?;
         Ok(cp)
@@ -389,7 +407,7 @@ impl ControlPlane {
         let mut env = vec![];
         match self.calico {
             Calico::Off => return Ok(()),
-            Calico::Kubernetes => {
+            Calico::Kubernetes | Calico::ApiServer => {
                 args.push("--datastore=kubernetes".into());
                 args.push(path_arg("crds", &dir.join(binaries::CALICO_CRDS)));
             }

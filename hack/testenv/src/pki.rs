@@ -1,5 +1,7 @@
 //! The control plane's certificates: one CA that signs the API server's serving
-//! certificate and the admin client certificate, plus the service-account signing key.
+//! certificate, the admin client certificate and calico-apiserver's serving certificate,
+//! the service-account signing key, and the front-proxy CA and client certificate with
+//! which kube-apiserver tells aggregated API servers who is asking (as kubeadm sets up).
 
 use std::path::{Path, PathBuf};
 
@@ -19,7 +21,15 @@ fn cert_err(what: &'static str) -> impl Fn(rcgen::Error) -> Error {
     move |source| Error::Certificate { what, source }
 }
 
-/// Writes `ca.crt`, `apiserver.{crt,key}`, `admin.{crt,key}` and `sa.{key,pub}` into `dir`.
+/// The Service (namespace, name) behind which calico-apiserver serves; its serving
+/// certificate names it.
+pub const CALICO_APISERVER_SERVICE: (&str, &str) = ("calico-apiserver", "calico-api");
+/// The common name of the front-proxy client certificate (`--requestheader-allowed-names`).
+pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
+
+/// Writes `ca.crt`, `apiserver.{crt,key}`, `admin.{crt,key}`, `sa.{key,pub}`,
+/// `front-proxy-ca.crt`, `front-proxy-client.{crt,key}` and `calico-apiserver.{crt,key}`
+/// into `dir`.
 pub fn write(dir: &Path) -> Result<Pki, Error> {
     let ca_key = KeyPair::generate().map_err(cert_err("CA key"))?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("CA params"))?;
@@ -53,6 +63,32 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
 
     let sa_key = KeyPair::generate().map_err(cert_err("service-account key"))?;
 
+    let (namespace, service) = CALICO_APISERVER_SERVICE;
+    let calico_key = KeyPair::generate().map_err(cert_err("calico-apiserver key"))?;
+    let mut calico = CertificateParams::new(vec![
+        format!("{service}.{namespace}.svc"),
+        format!("{service}.{namespace}.svc.cluster.local"),
+    ])
+    .map_err(cert_err("calico-apiserver params"))?;
+    calico.distinguished_name.push(DnType::CommonName, "calico-apiserver");
+    calico.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let calico_cert = calico.signed_by(&calico_key, &ca).map_err(cert_err("calico-apiserver certificate"))?;
+
+    let proxy_ca_key = KeyPair::generate().map_err(cert_err("front-proxy CA key"))?;
+    let mut proxy_ca_params =
+        CertificateParams::new(Vec::<String>::new()).map_err(cert_err("front-proxy CA params"))?;
+    proxy_ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    proxy_ca_params.distinguished_name.push(DnType::CommonName, "capo-testenv-front-proxy-ca");
+    proxy_ca_params.key_usages =
+        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let proxy_ca_cert = proxy_ca_params.self_signed(&proxy_ca_key).map_err(cert_err("front-proxy CA certificate"))?;
+    let proxy_ca = Issuer::new(proxy_ca_params, proxy_ca_key);
+    let proxy_key = KeyPair::generate().map_err(cert_err("front-proxy client key"))?;
+    let mut proxy = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("front-proxy client params"))?;
+    proxy.distinguished_name.push(DnType::CommonName, FRONT_PROXY_CLIENT);
+    proxy.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let proxy_cert = proxy.signed_by(&proxy_key, &proxy_ca).map_err(cert_err("front-proxy client certificate"))?;
+
     let pki = Pki { ca_pem: ca_cert.pem(), admin_cert_pem: admin_cert.pem(), admin_key_pem: admin_key.serialize_pem() };
     let files = [
         ("ca.crt", pki.ca_pem.clone()),
@@ -62,6 +98,11 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
         ("admin.key", pki.admin_key_pem.clone()),
         ("sa.key", sa_key.serialize_pem()),
         ("sa.pub", sa_key.public_key_pem()),
+        ("front-proxy-ca.crt", proxy_ca_cert.pem()),
+        ("front-proxy-client.crt", proxy_cert.pem()),
+        ("front-proxy-client.key", proxy_key.serialize_pem()),
+        ("calico-apiserver.crt", calico_cert.pem()),
+        ("calico-apiserver.key", calico_key.serialize_pem()),
     ];
     for (name, pem) in files {
         let path = dir.join(name);

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use capo_testenv::{Calico, ControlPlane, Options};
 
 const USAGE: &str =
-    "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N] [--calico kubernetes|etcd|off]
+    "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N] [--calico kubernetes|etcd|apiserver|off]
        capo-testenv route <namespace>/<service> <port-name>=<local port> [--state-dir DIR]
        capo-testenv <argocd-up|argocd-serve> [--state-dir DIR] [--resync SECONDS]";
 
@@ -39,6 +39,7 @@ fn main() {
                 calico = match it.next().map(String::as_str) {
                     Some("kubernetes") => Calico::Kubernetes,
                     Some("etcd") => Calico::Etcd,
+                    Some("apiserver") => Calico::ApiServer,
                     Some("off") => Calico::Off,
                     _ => fail(USAGE),
                 }
@@ -87,6 +88,7 @@ fn calico_arg(calico: Calico) -> &'static str {
     match calico {
         Calico::Kubernetes => "kubernetes",
         Calico::Etcd => "etcd",
+        Calico::ApiServer => "apiserver",
         Calico::Off => "off",
     }
 }
