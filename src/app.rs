@@ -181,19 +181,19 @@ impl App {
         let restored = metrics.release.repairs.with_label_values(&["labels_restored"]);
         let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone())
             .counting_restores(restored.clone());
-        let admission = Arc::new(Admission {
-            matcher: matcher.clone(),
-            pods: pods.clone(),
-            namespaces: namespaces.clone(),
-            store: HoldWriter::new(client.clone(), reservations),
-            client: client.clone(),
-            metrics: metrics.clone(),
-            readiness: readiness.clone(),
-            settings: AdmissionSettings {
+        let admission = Arc::new(Admission::new(
+            matcher.clone(),
+            pods.clone(),
+            namespaces.clone(),
+            HoldWriter::new(client.clone(), reservations),
+            client.clone(),
+            metrics.clone(),
+            readiness.clone(),
+            AdmissionSettings {
                 excluded_namespaces: settings.excluded_namespaces.clone(),
                 max_review_time: settings.max_review_time,
             },
-        });
+        ));
         let router = crate::admission::router(admission);
         let server = WebhookServer::start(settings.webhook_addr, router, serving.clone()).await?;
         let webhook_addr = server.addr;

@@ -22,6 +22,9 @@ pub struct Metrics {
     pub hold_failures: IntCounterVec,
     /// Requests capo decided not to hold, by reason.
     pub skipped: IntCounterVec,
+    /// DELETE reviews whose Pod the cluster does not confirm (no such Pod, another uid,
+    /// another name than the request's, unreadable): allowed without a hold, by reason.
+    pub unconfirmed: IntCounterVec,
     /// Loaded policies by state (ready, invalid).
     pub policies: IntGaugeVec,
     /// CapoPolicy status patches this replica sent.
@@ -330,6 +333,11 @@ impl Metrics {
         let hold_failures =
             counter("hold_failures_total", "Holds that could not be written.", &["policy", "action", "reason"]);
         let skipped = counter("admission_skipped_total", "Deletions capo did not hold, by reason.", &["reason"]);
+        let unconfirmed = counter(
+            "admission_unconfirmed_total",
+            "DELETE reviews whose Pod the cluster does not confirm, allowed without a hold, by reason.",
+            &["reason"],
+        );
         let late_hold_writes = counter(
             "late_hold_writes_total",
             "Hold writes that finished after their review was answered, by outcome.",
@@ -373,6 +381,7 @@ impl Metrics {
             holds,
             hold_failures,
             skipped,
+            unconfirmed,
             late_hold_writes,
             policies,
             policy_status_writes,

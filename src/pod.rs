@@ -244,10 +244,12 @@ impl PodFacts {
 }
 
 /// Every parseable IP once, in order (`status.podIPs` lists `status.podIP` again).
+/// The Pod's addresses: at most one per family (the Kubernetes rule for `podIPs`; a body
+/// that lists more is not a Pod the API server wrote), the first of each.
 fn parse_ips<'a>(raw: impl Iterator<Item = &'a str>) -> Vec<IpAddr> {
-    let mut ips = Vec::new();
+    let mut ips: Vec<IpAddr> = Vec::with_capacity(2);
     for ip in raw.filter_map(|r| r.parse::<IpAddr>().ok()) {
-        if !ips.contains(&ip) {
+        if !ips.iter().any(|held| held.is_ipv4() == ip.is_ipv4()) {
             ips.push(ip);
         }
     }
@@ -301,6 +303,16 @@ mod tests {
         });
         let typed: k8s_openapi::api::core::v1::Pod = serde_json::from_value(value.clone()).unwrap();
         assert_eq!(PodFacts::from_pod(&typed), PodFacts::from_json(&value).unwrap());
+    }
+
+    /// The Kubernetes rule for `podIPs`: one address per family. A body that lists more
+    /// (a forged review) gets the first of each family, never hundreds of holds.
+    #[test]
+    fn at_most_one_address_per_family_is_kept() {
+        let mut listed = vec![json!({ "ip": "10.0.0.1" }), json!({ "ip": "10.0.0.2" })];
+        listed.extend((1..=300).map(|i| json!({ "ip": format!("fd00::{i:x}") })));
+        let pod = PodFacts::from_json(&json!({"status": {"podIP": "10.0.0.9", "podIPs": listed}})).unwrap();
+        assert_eq!(pod.ips, vec!["10.0.0.1".parse::<IpAddr>().unwrap(), "fd00::1".parse().unwrap()]);
     }
 
     #[test]

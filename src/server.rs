@@ -145,6 +145,9 @@ async fn connection(
     let generation = serving.generation();
     serving.handshake_ok((before == generation).then_some(generation));
     let builder = auto::Builder::new(TokioExecutor::new());
+    // Each request carries the address it came from (the webhook logs who sent a review
+    // it does not believe).
+    let router = router.layer(axum::Extension(crate::admission::Caller(peer)));
     let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(router));
     tokio::pin!(conn);
     let mut generations = serving.generations();

@@ -6,8 +6,8 @@ mod support;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::Client;
 use kube::api::{Api, EvictParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::*;
 
@@ -103,6 +103,17 @@ async fn send(router: &axum::Router, req: axum::http::Request<axum::body::Body>)
 }
 
 fn delete_review(namespace: &str, name: &str, ip: std::net::IpAddr) -> axum::http::Request<axum::body::Body> {
+    delete_review_of(namespace, name, &format!("uid-{ip}"), &[ip])
+}
+
+/// A DELETE review, as anybody who can reach capo's port could write one.
+fn delete_review_of(
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    ips: &[std::net::IpAddr],
+) -> axum::http::Request<axum::body::Body> {
+    let pod_ips: Vec<_> = ips.iter().map(|ip| json!({ "ip": ip.to_string() })).collect();
     let review = json!({
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
         "request": {
@@ -111,9 +122,9 @@ fn delete_review(namespace: &str, name: &str, ip: std::net::IpAddr) -> axum::htt
             "name": name, "namespace": namespace, "operation": "DELETE", "userInfo": {"username": "alice"},
             "oldObject": {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": { "name": name, "namespace": namespace, "uid": format!("uid-{ip}") },
+                "metadata": { "name": name, "namespace": namespace, "uid": uid },
                 "spec": { "containers": [] },
-                "status": { "podIP": ip.to_string(), "podIPs": [{ "ip": ip.to_string() }] },
+                "status": { "podIP": ips.first().map(|ip| ip.to_string()), "podIPs": pod_ips },
             },
         }
     });
@@ -178,12 +189,64 @@ async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
     .unwrap();
     let (router, metrics) = direct_router(&client, &policy);
     let ip = Ips::v4();
-    let req = delete_review(&labelled.name, "db-0", ip);
+    let pod = create_pod_with_ips(&client, &labelled.name, unscheduled_pod("db-0", &[], &[]), &[ip]).await;
+    let req = delete_review_of(&labelled.name, "db-0", &pod.uid().unwrap(), &[ip]);
     let answer = send(&router, req).await;
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
     assert!(record(&client, ip).await.is_some(), "held: the namespace's labels select the Pod");
     let m = metrics.render();
     assert!(m.contains("capo_namespace_cache_misses_total{result=\"read\"} 1"), "{m}");
+    // The Pod store never synced either: the Pod was read to confirm the review.
+    assert!(m.contains("capo_pod_cache_misses_total{result=\"read\"} 1"), "{m}");
+}
+
+/// What the webhook is told is a claim (invariant 11): a review anybody can send to capo's
+/// port, for a Pod that does not exist, for a real Pod with another uid, or for a real
+/// Pod with addresses it does not have, holds nothing that Pod does not have. Each is
+/// allowed, counted by reason, and logged with the caller; a real Pod's review holds
+/// the Pod's own address, one per family, whatever the body lists.
+#[tokio::test]
+async fn a_forged_review_holds_nothing_the_cluster_does_not_confirm() {
+    let (client, ns) = setup("adm-forged").await;
+    let policy: capo_api::CapoPolicy = serde_json::from_value(json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy",
+        "metadata": { "name": format!("{}-p", ns.name) },
+        "spec": { "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } } },
+    }))
+    .unwrap();
+    let (router, metrics) = direct_router(&client, &policy);
+    let real_ip = Ips::v4();
+    let pod = create_pod_with_ips(&client, &ns.name, unscheduled_pod("redis-0", &[], &[]), &[real_ip]).await;
+    let uid = pod.uid().unwrap();
+
+    let (nobody, other_uid, other_ip, extra_v6) = (Ips::v4(), Ips::v4(), Ips::v4(), Ips::v6());
+    for (what, req) in [
+        ("a Pod that does not exist", delete_review_of(&ns.name, "forged-0", "f0rged", &[nobody])),
+        ("the real Pod under another uid", delete_review_of(&ns.name, "redis-0", "not-its-uid", &[other_uid])),
+    ] {
+        let answer = send(&router, req).await;
+        assert_eq!(answer["response"]["allowed"], true, "{what}: {answer}");
+        assert!(answer["response"]["warnings"].is_null(), "{what}: nothing said to be held: {answer}");
+    }
+    for ip in [nobody, other_uid] {
+        assert!(record(&client, ip).await.is_none(), "{ip}: nothing held");
+    }
+    let m = metrics.render();
+    assert!(m.contains("capo_admission_unconfirmed_total{reason=\"no_such_pod\"} 1"), "{m}");
+    assert!(m.contains("capo_admission_unconfirmed_total{reason=\"other_uid\"} 1"), "{m}");
+    assert!(m.contains("capo_admission_requests_total{operation=\"delete\",outcome=\"unconfirmed\"} 2"), "{m}");
+
+    // The real Pod, with its uid, but a body listing other addresses: the Pod's own is held.
+    let answer = send(&router, delete_review_of(&ns.name, "redis-0", &uid, &[other_ip, extra_v6])).await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert!(answer.to_string().contains(&real_ip.to_string()), "the Pod's own address held: {answer}");
+    let rec = record(&client, real_ip).await.expect("the Pod's own address held");
+    assert_eq!(rec.spec.pod.uid, uid);
+    for ip in [other_ip, extra_v6] {
+        assert!(record(&client, ip).await.is_none(), "{ip}: an address the Pod does not have is never held");
+    }
+    let entries = policy_entries(&client, capo_api::CalicoApiGroup::CrdV1, &format!("{}-p", ns.name)).await;
+    assert_eq!(entries, vec![cidr(real_ip)]);
 }
 
 /// The API server refuses one entry (here a ValidatingAdmissionPolicy standing in for any

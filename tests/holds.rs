@@ -324,25 +324,28 @@ async fn invalid_policies_are_refused_at_apply_with_a_clear_message() {
     }
 }
 
+/// Invariant 10: no field value locks deletions out. A policy name is the value of the
+/// `capo.io/policy` label on every reservation and record, so one longer than a label
+/// value (63) would make every hold write fail (a 100-character name, with
+/// `onHoldFailure: Deny`, refused every deletion of the Pods it selected). 64 and 253
+/// are refused at apply; 63 holds.
 #[tokio::test]
-async fn a_policy_that_slips_past_the_schema_is_marked_not_ready_while_others_work() {
-    let (client, ns) = setup("hold-notready").await;
+async fn policy_names_that_cannot_be_label_values_are_refused_and_63_holds() {
+    let (client, ns) = setup("hold-names").await;
     let _capo = start_capo(&client, &[&ns.name], None).await;
-    // The schema cannot see that capo-<name> would be too long an object name.
-    let long = format!("{}-{}", ns.name, "x".repeat(252 - ns.name.len()));
-    let bad = try_apply_policy(&client, &long, json!({ "podSelector": {}, "priority": 100 })).await.unwrap();
-    let bad = wait_policy_ready(&client, &long, bad.metadata.generation, "False").await;
-    let cond = bad.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Ready").unwrap();
-    assert_eq!(cond.reason, "NameTooLong");
-    assert!(cond.message.contains("too long"), "{}", cond.message);
-
-    let good = format!("{}-good", ns.name);
-    apply_policy(&client, &good, &ns.name, json!({ "podSelector": {} })).await;
+    for len in [64, 253] {
+        let name = format!("{}-{}", ns.name, "x".repeat(len - ns.name.len() - 1));
+        assert_eq!(name.len(), len);
+        let err = try_apply_policy(&client, &name, json!({ "podSelector": {} })).await.expect_err("refused at apply");
+        assert!(err.to_string().contains("at most 63 characters"), "{len}: {err}");
+    }
+    let longest = format!("{}-{}", ns.name, "x".repeat(62 - ns.name.len()));
+    assert_eq!(longest.len(), 63);
+    apply_policy(&client, &longest, &ns.name, json!({ "podSelector": {}, "onHoldFailure": "Deny" })).await;
     let ips = [Ips::v4()];
     create_pod_with_ips(&client, &ns.name, unscheduled_pod("p", &[], &[]), &ips).await;
-    delete_pod(&client, &ns.name, "p").await.unwrap();
-    assert_held(&client, CalicoApiGroup::CrdV1, &good, "p", &ips, HoldTrigger::Delete).await;
-    Api::<capo_api::CapoPolicy>::all(client.clone()).delete(&long, &Default::default()).await.unwrap();
+    delete_pod(&client, &ns.name, "p").await.expect("a 63-character policy holds");
+    assert_held(&client, CalicoApiGroup::CrdV1, &longest, "p", &ips, HoldTrigger::Delete).await;
 }
 
 #[tokio::test]
@@ -505,7 +508,8 @@ async fn no_hold_when_nobody_comes_back_owner_or_namespace_deleted() {
     create_pod_with_ips(&client, &ns.name, unscheduled_pod("doomed", &[], &[]), &doomed).await;
     delete_namespace_and_wait(&client, &ns.name).await;
     assert_not_held(&client, &doomed).await;
-    assert!(capo.metrics.render().contains("capo_admission_skipped_total{reason=\"namespace_terminating\"}"));
+    let m = capo.metrics.render();
+    assert!(m.contains("capo_admission_skipped_total{reason=\"namespace_terminating\"}"), "{m}");
 }
 
 #[tokio::test]

@@ -181,6 +181,41 @@ async fn readiness_is_withdrawn_while_a_watch_keeps_failing_and_comes_back_after
     .await;
 }
 
+/// Invariant 10: a policy whose name cannot be a label value (here 100 characters,
+/// created through an older CRD without the name rule) would make every hold write fail
+/// (the API server refuses the `capo.io/policy` label), and with `onHoldFailure: Deny`
+/// refuse every deletion of the Pods it selects. capo marks it `Ready=False`
+/// (`NameTooLong`) and never loads it: those Pods' deletions are allowed, and another
+/// policy holds them.
+#[tokio::test]
+async fn a_policy_name_too_long_for_a_label_never_locks_deletions_out() {
+    let _one = SERIAL.lock().await;
+    let (client, ns) = setup("pol-long").await;
+    let _capo = start_capo(&client, &[&ns.name], None).await;
+    let long = format!("{}-{}", ns.name, "x".repeat(99 - ns.name.len()));
+    let spec = json!({ "podSelector": {}, "priority": 100, "onHoldFailure": "Deny",
+                       "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } } });
+    let bad = try_apply_policy(&client, &long, spec).await.expect("the loose CRD takes it");
+    let bad = wait_policy_ready(&client, &long, bad.metadata.generation, "False").await;
+    let cond = bad.status.unwrap().conditions.into_iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(cond.reason, "NameTooLong", "{}", cond.message);
+    assert!(cond.message.contains("at most 63"), "{}", cond.message);
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("redis-0", &[], &[]), &[ip]).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("never refused because of the policy's name");
+    assert!(record(&client, ip).await.is_none(), "the policy was not loaded");
+    let good = format!("{}-good", ns.name);
+    apply_policy(&client, &good, &ns.name, json!({ "podSelector": {} })).await;
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("redis-1", &[], &[]), &[ip]).await;
+    delete_pod(&client, &ns.name, "redis-1").await.expect("held by the other policy");
+    assert_eq!(record(&client, ip).await.expect("held").spec.policy, good);
+    // (The other tests of this binary count policies: leave none behind.)
+    let policies = Api::<CapoPolicy>::all(client.clone());
+    policies.delete(&long, &Default::default()).await.unwrap();
+    policies.delete(&good, &Default::default()).await.unwrap();
+}
+
 /// Defect 2: one object capo cannot decode stops nothing. A malformed CapoPolicy and a
 /// malformed ReservedIP are there before capo starts; the fresh capo's leader still
 /// counts the good policy's hold down and releases it on time, and marks the bad policy

@@ -35,7 +35,8 @@ pub const DEFAULT_RELEASE_BATCH: u32 = 10;
         json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
         priority = 1
     ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("size(self.metadata.name) <= 63").message("a CapoPolicy name is at most 63 characters: capo labels its reservations and records with it (capo.io/policy), and a label value is at most 63")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("has(self.namespaceSelector) || has(self.podSelector) || has(self.workloads)").message("a policy must select something: set namespaceSelector, podSelector or workloads (an empty podSelector {} selects every Pod)"))]

@@ -1,12 +1,13 @@
 //! The review endpoint: parse, decide, hold if the Pod is selected, answer.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Query, State};
+use axum::extract::{Extension, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -38,6 +39,54 @@ pub struct AdmissionSettings {
     pub max_review_time: Duration,
 }
 
+/// The address a review came from (the webhook server puts it on each request).
+#[derive(Clone, Copy, Debug)]
+pub struct Caller(pub SocketAddr);
+
+/// Why a DELETE review's Pod is not the cluster's.
+#[derive(Debug, thiserror::Error)]
+enum Unconfirmed {
+    #[error("its oldObject names another Pod than the request")]
+    OtherPod,
+    #[error("its oldObject has no uid")]
+    NoUid,
+    #[error("no such Pod")]
+    NoSuchPod,
+    #[error("the Pod of that name has another uid")]
+    OtherUid,
+    #[error("the Pod could not be read: {0}")]
+    Unreadable(String),
+}
+
+impl Unconfirmed {
+    fn reason(&self) -> &'static str {
+        match self {
+            Self::OtherPod => "other_pod",
+            Self::NoUid => "no_uid",
+            Self::NoSuchPod => "no_such_pod",
+            Self::OtherUid => "other_uid",
+            Self::Unreadable(_) => "unreadable",
+        }
+    }
+}
+
+/// Remembers what was logged, so a caller repeating a review is logged once (bounded: past
+/// [`LOGGED_AT_MOST`] keys it starts over).
+#[derive(Default)]
+struct LoggedOnce(std::sync::Mutex<std::collections::HashSet<(Option<std::net::IpAddr>, String, String)>>);
+
+const LOGGED_AT_MOST: usize = 4096;
+
+impl LoggedOnce {
+    fn first(&self, key: (Option<std::net::IpAddr>, String, String)) -> bool {
+        let mut seen = self.0.lock().expect("logged lock");
+        if seen.len() >= LOGGED_AT_MOST {
+            seen.clear();
+        }
+        seen.insert(key)
+    }
+}
+
 pub struct Admission {
     pub matcher: SharedMatcher,
     pub pods: Arc<PodStore>,
@@ -47,9 +96,25 @@ pub struct Admission {
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
     pub settings: AdmissionSettings,
+    logged: LoggedOnce,
 }
 
 impl Admission {
+    /// The admission path over capo's stores.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        matcher: SharedMatcher,
+        pods: Arc<PodStore>,
+        namespaces: Arc<NamespaceStore>,
+        store: HoldWriter,
+        client: Client,
+        metrics: Arc<Metrics>,
+        readiness: Arc<Readiness>,
+        settings: AdmissionSettings,
+    ) -> Self {
+        Self { matcher, pods, namespaces, store, client, metrics, readiness, settings, logged: Default::default() }
+    }
+
     /// The admission path on its own: empty stores, an empty watched copy of the
     /// reservations, holds written in `group`, ready at once (tests and benchmarks fill the
     /// stores by hand; capo itself is wired by [`crate::App`]).
@@ -65,16 +130,16 @@ impl Admission {
         readiness.set_pods_synced();
         let index = Arc::new(crate::calico::ReservationIndex::default());
         let reservations = crate::calico::Reservations::new(client.clone(), group, index);
-        Self {
+        Self::new(
             matcher,
-            pods: Default::default(),
-            namespaces: Default::default(),
-            store: HoldWriter::new(client.clone(), reservations),
+            Default::default(),
+            Default::default(),
+            HoldWriter::new(client.clone(), reservations),
             client,
-            metrics: Default::default(),
+            Default::default(),
             readiness,
             settings,
-        }
+        )
     }
 }
 
@@ -159,6 +224,7 @@ fn eviction_is_dry_run(eviction: Option<&DynamicObject>) -> bool {
 async fn serve(
     State(adm): State<Arc<Admission>>,
     Query(query): Query<HashMap<String, String>>,
+    caller: Option<Extension<Caller>>,
     body: Body,
 ) -> Response {
     let started = Instant::now();
@@ -198,7 +264,8 @@ async fn serve(
         return (StatusCode::SERVICE_UNAVAILABLE, format!("capo is starting: waiting for {missing}")).into_response();
     }
     let deadline = started + budget(query.get("timeout").map(String::as_str), adm.settings.max_review_time);
-    let (kind, outcome, response) = match adm.review(&request, deadline).await {
+    let caller = caller.map(|Extension(Caller(addr))| addr);
+    let (kind, outcome, response) = match adm.review(&request, deadline, caller).await {
         Ok(r) => r,
         Err(message) => {
             adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
@@ -217,6 +284,7 @@ impl Admission {
         &self,
         req: &AdmissionRequest<DynamicObject>,
         deadline: Instant,
+        caller: Option<SocketAddr>,
     ) -> Result<(Option<PodOperation>, &'static str, AdmissionResponse), String> {
         let resp = AdmissionResponse::from(req);
         let kind = match (&req.operation, req.sub_resource.as_deref(), req.resource.resource.as_str()) {
@@ -234,7 +302,14 @@ impl Admission {
             PodOperation::Delete => {
                 let old = req.old_object.as_ref().ok_or("a Pod DELETE review without oldObject")?;
                 let value = serde_json::to_value(old).map_err(|e| format!("oldObject: {e}"))?;
-                PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?
+                let claimed = PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?;
+                match self.confirm(&namespace, &req.name, &claimed, deadline).await {
+                    Ok(pod) => pod,
+                    Err(why) => {
+                        self.unconfirmed(why, &claimed, caller);
+                        return Ok((Some(kind), "unconfirmed", allow(resp, vec![])));
+                    }
+                }
             }
             PodOperation::Eviction => match self.evicted_pod(&namespace, &req.name, deadline).await {
                 Ok(Some(p)) => p,
@@ -283,6 +358,59 @@ impl Admission {
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));
         }
         Ok(self.hold(kind, &pod, plan, resp, deadline).await)
+    }
+
+    /// The Pod a DELETE review names, as the cluster has it: the body is a claim. Confirmed
+    /// when the Pod in the store (or, when the store lags, one read inside the review's
+    /// budget) has the request's namespace, name and the body's uid; its facts (labels,
+    /// addresses) are the cluster's, not the body's.
+    async fn confirm(
+        &self,
+        namespace: &str,
+        name: &str,
+        claimed: &PodFacts,
+        deadline: Instant,
+    ) -> Result<PodFacts, Unconfirmed> {
+        // A DeleteCollection (the namespace controller's) is reviewed Pod by Pod with no
+        // name in the request: the oldObject names it, and the store must confirm it.
+        if claimed.namespace != namespace || claimed.name.is_empty() || (!name.is_empty() && claimed.name != name) {
+            return Err(Unconfirmed::OtherPod);
+        }
+        let name = claimed.name.as_str();
+        if claimed.uid.is_empty() {
+            return Err(Unconfirmed::NoUid);
+        }
+        if let Some(p) = self.pods.get(namespace, name)
+            && p.uid == claimed.uid
+        {
+            return Ok((*p).clone());
+        }
+        let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        let got = within(deadline, api.get_opt(name)).await;
+        let result = if got.is_ok() { "read" } else { "error" };
+        self.metrics.pod_cache_misses.with_label_values(&[result]).inc();
+        match got {
+            Ok(Some(pod)) => {
+                let facts = PodFacts::from_pod(&pod);
+                if facts.uid == claimed.uid { Ok(facts) } else { Err(Unconfirmed::OtherUid) }
+            }
+            Ok(None) => Err(Unconfirmed::NoSuchPod),
+            Err(e) => Err(Unconfirmed::Unreadable(e)),
+        }
+    }
+
+    /// Counts a review the cluster did not confirm, and logs it once per caller and Pod.
+    fn unconfirmed(&self, why: Unconfirmed, claimed: &PodFacts, caller: Option<SocketAddr>) {
+        self.metrics.unconfirmed.with_label_values(&[why.reason()]).inc();
+        let key = (caller.map(|c| c.ip()), claimed.namespace.clone(), claimed.name.clone());
+        if self.logged.first(key) {
+            let caller = caller.map_or_else(|| "unknown".to_string(), |c| c.to_string());
+            warn!(
+                %caller, namespace = %claimed.namespace, pod = %claimed.name, uid = %claimed.uid, ips = %ips(claimed),
+                reason = why.reason(), detail = %why,
+                "a DELETE review names a Pod the cluster does not confirm: allowed, nothing held"
+            );
+        }
     }
 
     async fn evicted_pod(&self, namespace: &str, name: &str, deadline: Instant) -> Result<Option<PodFacts>, String> {

@@ -9,4 +9,4 @@ mod handler;
 mod respond;
 
 pub use deadline::budget;
-pub use handler::{Admission, AdmissionSettings, REVIEW_PATH, router};
+pub use handler::{Admission, AdmissionSettings, Caller, REVIEW_PATH, router};

@@ -48,10 +48,15 @@ pub enum PolicyError {
     #[error("a policy must select something: set namespaceSelector, podSelector or workloads")]
     SelectsNothing,
     #[error(
-        "the policy name {0:?} is too long for the names of its IPReservations, capo-<name>.<shard> (253 characters at most)"
+        "the policy name {0:?} is too long: capo labels its IPReservations and records with it (capo.io/policy), and a label value is at most {MAX_NAME} characters"
     )]
     NameTooLong(String),
 }
+
+/// The longest policy name: the value of the `capo.io/policy` label on every reservation
+/// and record of the policy (the CRD refuses longer ones at apply; one created before
+/// that rule is `Ready=False`, so it can never make a hold write fail).
+pub const MAX_NAME: usize = 63;
 
 impl PolicyError {
     /// The condition reason (CamelCase, as Kubernetes conventions ask).
@@ -84,7 +89,8 @@ impl CompiledPolicy {
     pub fn compile(policy: &CapoPolicy) -> Result<Self, PolicyError> {
         let name = policy.name_any();
         let spec: &CapoPolicySpec = &policy.spec;
-        if capo_api::keys::shard_name(&name, crate::calico::shards::MAX_SHARDS).len() > 253 {
+        // A label value (and so the shards' names, capo-<name>.<shard>, well within 253).
+        if name.len() > MAX_NAME {
             return Err(PolicyError::NameTooLong(name));
         }
         if spec.namespace_selector.is_none() && spec.pod_selector.is_none() && spec.workloads.is_none() {
@@ -193,6 +199,18 @@ mod tests {
             let err = CompiledPolicy::compile(&policy("p", spec.clone())).unwrap_err();
             assert_eq!(err.reason(), reason, "{spec}");
             assert!(err.to_string().contains(text), "{spec}: {err}");
+        }
+    }
+
+    /// Invariant 10: a name that cannot be a label value would make every hold write fail
+    /// (the API server refuses the label). 63 compiles; 64 and 253 are NameTooLong.
+    #[test]
+    fn a_name_that_cannot_be_a_label_value_is_not_ready() {
+        assert!(CompiledPolicy::compile(&policy(&"a".repeat(63), json!({"podSelector": {}}))).is_ok());
+        for len in [64, 253] {
+            let err = CompiledPolicy::compile(&policy(&"a".repeat(len), json!({"podSelector": {}}))).unwrap_err();
+            assert_eq!(err.reason(), "NameTooLong", "{len}");
+            assert!(err.to_string().contains("at most 63"), "{err}");
         }
     }
 
