@@ -599,3 +599,103 @@ async fn migrate_prints_policies_the_api_server_accepts() {
     assert_eq!(code, 1, "{err}");
     let _ = std::fs::remove_file(&config);
 }
+
+/// Issue 24, defect 1: one Pod whose mark cannot be written must not stall its policy. A
+/// ValidatingAdmissionPolicy refuses every UPDATE of Pods labelled `freeze=true` (as
+/// Gatekeeper, Kyverno or a Pod webhook that is down would refuse capo's patch). A frozen
+/// Pod that failed (held by the safety net, counted down from its terminal phase) is due
+/// first; five Pods deleted right after, with 2 s holds, are released within 5 s all the
+/// same, and the frozen one stays held (its release deferred, said on the Pod).
+#[tokio::test]
+async fn a_pod_that_cannot_be_marked_does_not_stall_its_policys_releases() {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let Scene { client, ns, capo, policy } = scene(
+        "rel-frozen",
+        Duration::from_secs(600),
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "2s", "releaseInterval": "100ms" }),
+    )
+    .await;
+    let vap = format!("freeze-{}", ns.name);
+    let vap_obj = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": { "name": vap },
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } },
+                "resourceRules": [{ "apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods"] }],
+            },
+            "validations": [{
+                "expression": "!(has(object.metadata.labels) && 'freeze' in object.metadata.labels)",
+                "message": "frozen Pods are not changed", "reason": "Forbidden",
+            }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": { "name": vap }, "spec": { "policyName": vap, "validationActions": ["Deny"] },
+    });
+    let apply = PatchParams::apply("capo-tests").force();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone()).patch(&vap, &apply, &Patch::Apply(vap_obj)).await.unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .patch(&vap, &apply, &Patch::Apply(binding))
+        .await
+        .unwrap();
+    let frozen_ip = Ips::v4();
+    let frozen = unscheduled_pod("frozen", &[("app", "redis"), ("freeze", "true")], &[]);
+    create_pod_with_ips(&client, &ns.name, frozen, &[frozen_ip]).await;
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    // The policy reaches the admission chain asynchronously: wait until it refuses.
+    eventually("the policy to refuse a change of the frozen Pod", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move {
+            let r = pods
+                .patch(
+                    "frozen",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "metadata": { "annotations": { "probe": "1" } } })),
+                )
+                .await;
+            matches!(r, Err(kube::Error::Api(s)) if s.message.contains("frozen Pods are not changed")).then_some(())
+        }
+    })
+    .await;
+    set_phase(&client, &ns.name, "frozen", "Failed").await;
+    let c = &client;
+    let rec = eventually("the safety net to hold the frozen Pod", Duration::from_secs(20), || async move {
+        record(c, frozen_ip).await
+    })
+    .await;
+    assert_eq!(rec.spec.trigger, HoldTrigger::SafetyNet);
+    wait_status(&client, frozen_ip).await;
+
+    let mut ips = Vec::new();
+    for i in 0..5 {
+        ips.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+    }
+    let deleted = Instant::now();
+    for i in 0..5 {
+        delete_pod(&client, &ns.name, &format!("redis-{i}")).await.expect("held and allowed");
+    }
+    for &ip in &ips {
+        let left = Duration::from_secs(5).saturating_sub(deleted.elapsed());
+        wait_released(&client, ip, left.max(Duration::from_millis(100))).await;
+    }
+    eprintln!("five released {:.2}s after their deletions", deleted.elapsed().as_secs_f64());
+    assert!(record(&client, frozen_ip).await.is_some(), "the frozen Pod's hold stays");
+    assert!(entries(&client, &policy).await.contains(&cidr(frozen_ip)));
+    let note = wait_event(&client, &ns.name, "frozen", "ReleaseDeferred").await;
+    assert!(note.contains("frozen Pods are not changed"), "{note}");
+    let ttl = format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}");
+    assert_eq!(wait_metric(&capo, &ttl, 5.0).await, 5.0);
+    assert!(
+        metric_value(&capo, &format!("capo_release_failures_total{{policy=\"{policy}\",reason=\"mark\"}}"))
+            >= Some(1.0)
+    );
+
+    // The frozen Pod goes: its hold is released then, on the next look.
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone()).delete(&vap, &Default::default()).await.unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone()).delete(&vap, &Default::default()).await.unwrap();
+    pods.delete("frozen", &Default::default()).await.unwrap();
+    wait_released(&client, frozen_ip, Duration::from_secs(30)).await;
+}

@@ -67,6 +67,11 @@ const POLICY_GATHER: Duration = Duration::from_millis(100);
 /// once (about 70 a second kept up with).
 const SLOT_SHARDS_AT_ONCE: usize = 16;
 const SLOT_RECORDS_AT_ONCE: usize = 64;
+/// The longest wait before a release whose Pod could not be marked is tried again.
+const MARK_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// How often a release waits for its Pod's mark (2 s, doubling: about 2 minutes in all)
+/// before it goes without it.
+const MARK_ATTEMPTS: u32 = 6;
 
 /// How long pool changes are gathered before the pool guard looks (every Pod start and
 /// stop in the cluster changes an IPAM block).
@@ -166,6 +171,8 @@ struct Memory {
     arrivals: HashMap<String, VecDeque<Instant>>,
     /// The compiled policies as last seen (to tell which ones an update changed).
     policies: BTreeMap<String, Arc<CompiledPolicy>>,
+    /// Record → how often its Pod could not be marked before its release (the backoff).
+    unmarked: HashMap<String, u32>,
 }
 
 struct Ctx {
@@ -195,6 +202,22 @@ struct Ctx {
 fn instant(at: Timestamp) -> Instant {
     let d = at.duration_since(Timestamp::now());
     Instant::now() + Duration::try_from(d).unwrap_or_default()
+}
+
+/// The API server refuses an Event whose note is longer than 1024 bytes (an API error
+/// quoted in full can be): cut at a character boundary, marked with an ellipsis.
+fn fit_note(mut note: String) -> String {
+    const MAX: usize = 1024;
+    if note.len() <= MAX {
+        return note;
+    }
+    let mut end = MAX - '…'.len_utf8();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    note.truncate(end);
+    note.push('…');
+    note
 }
 
 fn policy_ref(name: &str) -> ObjectReference {
@@ -638,7 +661,8 @@ impl Ctx {
     }
 
     async fn event(&self, reference: &ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
-        let ev = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+        let ev =
+            Event { type_, reason: reason.into(), note: Some(fit_note(note)), action: action.into(), secondary: None };
         if let Err(e) = self.recorder.publish(&ev, reference).await {
             debug!(error = %e, reason, "could not publish an Event");
         }
@@ -659,6 +683,7 @@ impl Ctx {
             memory.missing.remove(name);
             memory.announced.remove(name);
             memory.gone_seen.remove(name);
+            memory.unmarked.remove(name);
             return Ok(None);
         };
         let spec = &rec.spec;
@@ -982,9 +1007,10 @@ impl Ctx {
             Taken::Wait(at) => return Ok(Some(at)),
             Taken::Batch(b) => b,
         };
-        if let Err(e) = self.mark_staying(&leaving).await {
-            self.pacer.lock().expect("pacer lock").put_back(policy, leaving);
-            return Err(e);
+        // A Pod that cannot be marked keeps its own hold (retried later); the rest go.
+        let (leaving, unmarked) = self.mark_staying(leaving).await;
+        if !unmarked.is_empty() {
+            self.retry_unmarked(policy, unmarked).await;
         }
         let shard_of = |l: &Leaving| {
             let s = &l.record.spec;
@@ -1051,24 +1077,88 @@ impl Ctx {
     }
 
     /// Before their entries go: marks each Pod that is still there (deleted, terminal) as
-    /// released, so that nobody holds it again.
-    async fn mark_staying(&self, leaving: &[Leaving]) -> Result<(), ReleaseError> {
-        for l in leaving {
-            let p = &l.record.spec.pod;
-            let pod = self.pods.get(&p.namespace, &p.name);
-            if pod.is_none()
-                || decide::pod_state(&l.record, pod.as_deref()) == PodState::Kept
-                || l.reason == ReleaseReason::PodKept
-            {
-                continue;
-            }
-            if pod.is_some_and(|pod| pod.uid == p.uid) {
-                marks::mark(&self.client, &p.namespace, &p.name, &p.uid, RELEASED_ANNOTATION, l.reason.as_str())
-                    .await
-                    .map_err(|source| ReleaseError::Mark { pod: format!("{}/{}", p.namespace, p.name), source })?;
+    /// released, so that nobody holds it again. Returns the releases that may go on, and
+    /// those whose Pod could not be marked (an admission policy refusing capo's patch, a
+    /// Pod webhook that is down, throttling): those stay held, each on its own.
+    async fn mark_staying(&self, leaving: Vec<Leaving>) -> (Vec<Leaving>, Vec<(Leaving, ReleaseError)>) {
+        let results: Vec<(Leaving, Result<(), ReleaseError>)> = futures::stream::iter(leaving)
+            .map(|l| async move {
+                let r = self.mark_one(&l).await;
+                (l, r)
+            })
+            .buffer_unordered(SLOT_RECORDS_AT_ONCE)
+            .collect()
+            .await;
+        let mut go = Vec::with_capacity(results.len());
+        let mut stay = Vec::new();
+        for (l, r) in results {
+            match r {
+                Ok(()) => go.push(l),
+                Err(e) => stay.push((l, e)),
             }
         }
+        (go, stay)
+    }
+
+    async fn mark_one(&self, l: &Leaving) -> Result<(), ReleaseError> {
+        let p = &l.record.spec.pod;
+        let pod = self.pods.get(&p.namespace, &p.name);
+        if pod.is_none()
+            || decide::pod_state(&l.record, pod.as_deref()) == PodState::Kept
+            || l.reason == ReleaseReason::PodKept
+        {
+            return Ok(());
+        }
+        let tries = self.memory.lock().expect("memory lock").unmarked.get(&l.name()).copied().unwrap_or(0);
+        if tries >= MARK_ATTEMPTS {
+            // Nothing is held forever: past its attempts the hold goes without the mark
+            // (the cost: a safety net that sees this Pod again after a leader change may
+            // hold it once more, for one more reserveFor).
+            warn!(record = %l.name(), pod = %format!("{}/{}", p.namespace, p.name), tries, "releasing without marking the Pod");
+            return Ok(());
+        }
+        if pod.is_some_and(|pod| pod.uid == p.uid) {
+            marks::mark(&self.client, &p.namespace, &p.name, &p.uid, RELEASED_ANNOTATION, l.reason.as_str())
+                .await
+                .map_err(|source| ReleaseError::Mark { pod: format!("{}/{}", p.namespace, p.name), source })?;
+        }
         Ok(())
+    }
+
+    /// Releases whose Pod could not be marked: each stays held and is looked at again
+    /// after a backoff of its own (2 s, doubling), so it neither fails nor leads its
+    /// policy's later slots; after [`MARK_ATTEMPTS`] it goes without the mark. Said once per hold (a `ReleaseDeferred` Event on
+    /// the Pod), counted each time (`capo_release_failures_total{reason="mark"}`).
+    async fn retry_unmarked(&self, policy: &str, unmarked: Vec<(Leaving, ReleaseError)>) {
+        self.pacer.lock().expect("pacer lock").finish(unmarked.iter().map(|(l, _)| l.name()));
+        for (l, e) in unmarked {
+            let name = l.name();
+            let attempt = {
+                let mut memory = self.memory.lock().expect("memory lock");
+                let n = memory.unmarked.entry(name.clone()).or_insert(0);
+                *n += 1;
+                *n
+            };
+            let backoff = Duration::from_secs(2).saturating_mul(1 << (attempt - 1).min(8)).min(MARK_BACKOFF_MAX);
+            self.metrics.release.failures.with_label_values(&[policy, e.kind()]).inc();
+            warn!(record = %name, policy, attempt, retry_in = ?backoff, error = %e, "could not mark the Pod released; its hold stays, the rest are released");
+            self.queue.add_after(Key::Record(name), backoff);
+            if attempt == 1 {
+                let p = &l.record.spec.pod;
+                let note = format!(
+                    "capo could not mark this Pod before releasing {} ({e}); the address stays held and capo tries again, the policy's other releases go on",
+                    l.record.spec.cidr
+                );
+                self.event(
+                    &pod_ref(&p.namespace, &p.name, &p.uid),
+                    EventType::Warning,
+                    "ReleaseDeferred",
+                    "Release",
+                    note,
+                )
+                .await;
+            }
+        }
     }
 
     /// The entry is out: the record goes (if it still describes this hold).
@@ -1205,5 +1295,19 @@ impl Ctx {
             warn!(reservation = %key.1, entries = ?foreign, "entries capo did not write");
             self.event(&policy_ref(policy), EventType::Warning, "ForeignEntries", "Repair", note).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_note;
+
+    /// A note quoting an API error in full would get the Event refused (1024 bytes).
+    #[test]
+    fn event_notes_fit_the_api_servers_limit() {
+        assert_eq!(fit_note("short".into()), "short");
+        let long = fit_note("é".repeat(2000));
+        assert!(long.len() <= 1024 && long.ends_with('…'), "{}", long.len());
+        assert_eq!(fit_note("x".repeat(1024)).len(), 1024);
     }
 }
