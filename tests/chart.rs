@@ -151,6 +151,69 @@ fn the_calico_etcd_component_matches_the_charts_etcd_datastore() {
     assert_eq!(cm["data"]["etcd_endpoints"], "https://10.0.0.1:2379");
 }
 
+/// A file mode as YAML 1.1 writes it (a leading 0 is octal, as Kubernetes reads it) or as
+/// a plain number.
+fn mode_of(v: &Value) -> Option<u64> {
+    v.as_u64().or_else(|| {
+        let s = v.as_str()?;
+        if s.len() > 1 && s.starts_with('0') { u64::from_str_radix(&s[1..], 8).ok() } else { s.parse().ok() }
+    })
+}
+
+/// Whether capo's container can read every file of the Secret volume `volume`, by the
+/// kubelet's rules: files are owned by root, and with a Pod `fsGroup` by that group (the
+/// kubelet adds group read); `defaultMode` decides the rest.
+fn secret_readable_by_capo(pod: &Value, volume: &str) -> Result<(), String> {
+    let v = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == volume).ok_or("no such volume")?;
+    let mode = mode_of(&v["secret"]["defaultMode"]).unwrap_or(0o644);
+    let ctx = &pod["securityContext"];
+    let container = &pod["containers"][0]["securityContext"];
+    let user = container["runAsUser"].as_u64().or(ctx["runAsUser"].as_u64()).unwrap_or(0);
+    let group = container["runAsGroup"].as_u64().or(ctx["runAsGroup"].as_u64()).unwrap_or(0);
+    let fs_group = ctx["fsGroup"].as_u64();
+    let supplemental: Vec<u64> =
+        ctx["supplementalGroups"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+    let groups: Vec<u64> = std::iter::once(group).chain(fs_group).chain(supplemental).collect();
+    let readable = user == 0
+        || mode & 0o004 != 0
+        || (fs_group.is_some_and(|g| groups.contains(&g)) && (mode | 0o440) & 0o040 != 0)
+        || (fs_group.is_none() && group == 0 && mode & 0o040 != 0);
+    if readable {
+        Ok(())
+    } else {
+        Err(format!("mode {mode:o}, user {user}, group {group}, fsGroup {fs_group:?}: capo cannot read it"))
+    }
+}
+
+/// Issue 23 item 7: with Calico's etcd datastore capo runs as 65532 and must read its etcd
+/// client key. The key was mounted `0400` and root-owned with no `fsGroup`: capo could not
+/// read it in any real Pod. The chart and `config/calico-etcd` mount it 0440 with
+/// `fsGroup` 65532, and nobody else can read it.
+#[test]
+fn capos_user_can_read_calicos_etcd_key_and_nobody_else_can() {
+    let chart = docs(&template(&["--set", "calico.datastore=etcdv3,calico.etcd.endpoints=https://10.0.0.1:2379"]));
+    let pod = &find(&chart, "Deployment", "capo")["spec"]["template"]["spec"];
+    secret_readable_by_capo(pod, "calico-etcd").unwrap();
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "calico-etcd").unwrap();
+    let mode = mode_of(&volume["secret"]["defaultMode"]).expect("a defaultMode");
+    assert_eq!(mode & 0o007, 0, "not readable by others: {mode:o}");
+    let kustomize = repo("config/calico-etcd/kustomization.yaml");
+    let component = std::fs::read_to_string(&kustomize).unwrap();
+    assert!(component.contains("defaultMode: 288}"), "{}", kustomize.display());
+    let manager = docs(&run(Command::new("kubectl").args(["kustomize", repo("config/default").to_str().unwrap()])));
+    let ctx = &find(&manager, "Deployment", "capo")["spec"]["template"]["spec"]["securityContext"];
+    assert_eq!(ctx["fsGroup"], 65532, "{ctx}");
+    // What it was: root-owned 0400, no fsGroup.
+    let mut before = pod.clone();
+    before["securityContext"].as_object_mut().unwrap().remove("fsGroup");
+    for v in before["volumes"].as_array_mut().unwrap() {
+        if v["name"] == "calico-etcd" {
+            v["secret"]["defaultMode"] = 0o400.into();
+        }
+    }
+    assert!(secret_readable_by_capo(&before, "calico-etcd").is_err());
+}
+
 fn compare(chart: &[Value], kustomize: &[Value], overlay: &str) {
     assert_eq!(rbac(chart), rbac(kustomize), "the chart and {overlay} grant the same rights");
     let (chart, kustomize) = (chart.to_vec(), kustomize.to_vec());
