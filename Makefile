@@ -61,9 +61,14 @@ COMPAT_K8S ?= 1.30
 test: test-latest test-compat ## Run every test (unit, drift, integration) on Kubernetes 1.35, then on the oldest supported (1.30)
 
 .PHONY: test-latest
-test-latest: controlplane argocd tools ## Run every test on the default control plane (Kubernetes 1.35), the GitOps suite included
+test-latest: controlplane argocd tools ## Run every test on the default control plane (Kubernetes 1.35), the GitOps suite and the try-install paths included
 	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
 	  CAPO_ARGOCD_DIR="$$(bash hack/build-argocd.sh 2>/dev/null | tail -n1)" cargo test --workspace
+	bash hack/test-try.sh
+
+.PHONY: test-try
+test-try: controlplane argocd tools ## Run make try-helm and make try-argocd as a newcomer would (each on its own control plane, torn down after)
+	bash hack/test-try.sh
 
 .PHONY: test-compat
 # The GitOps suite (tests/gitops.rs, a real Argo CD) runs in test-latest only; here its
