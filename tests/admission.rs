@@ -261,30 +261,17 @@ async fn a_refused_entry_is_denied_with_the_servers_reason_and_does_not_fail_its
     apply_policy(&client, &policy, &ns.name, json!({ "podSelector": { "matchLabels": { "app": "redis" } } })).await;
     let bad = Ips::v4();
     let vap = format!("refuse-{}", ns.name);
-    let vap_obj = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-        "metadata": { "name": vap },
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": { "resourceRules": [{ "apiGroups": ["crd.projectcalico.org"], "apiVersions": ["v1"],
-                "operations": ["CREATE", "UPDATE"], "resources": ["ipreservations"] }] },
-            "validations": [{
-                "expression": format!("!has(object.spec.reservedCIDRs) || !object.spec.reservedCIDRs.exists(c, c == '{bad}/32')"),
-                "message": format!("{bad} is quarantined by the network team"),
-            }],
-        },
-    });
-    let binding = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": { "name": vap }, "spec": { "policyName": vap, "validationActions": ["Deny"] },
-    });
-    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
-    let apply = PatchParams::apply("capo-tests").force();
-    Api::<ValidatingAdmissionPolicy>::all(client.clone()).patch(&vap, &apply, &Patch::Apply(vap_obj)).await.unwrap();
-    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
-        .patch(&vap, &apply, &Patch::Apply(binding))
-        .await
-        .unwrap();
+    deny_by_policy(
+        &client,
+        &vap,
+        json!({ "resourceRules": [{ "apiGroups": ["crd.projectcalico.org"], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "resources": ["ipreservations"] }] }),
+        json!({
+            "expression": format!("!has(object.spec.reservedCIDRs) || !object.spec.reservedCIDRs.exists(c, c == '{bad}/32')"),
+            "message": format!("{bad} is quarantined by the network team"),
+        }),
+    )
+    .await;
     // The policy reaches the admission chain asynchronously: wait until it refuses a probe.
     let probe_name = format!("probe-{}", ns.name);
     let reservations =

@@ -608,7 +608,6 @@ async fn migrate_prints_policies_the_api_server_accepts() {
 /// same, and the frozen one stays held (its release deferred, said on the Pod).
 #[tokio::test]
 async fn a_pod_that_cannot_be_marked_does_not_stall_its_policys_releases() {
-    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
     let Scene { client, ns, capo, policy } = scene(
         "rel-frozen",
         Duration::from_secs(600),
@@ -616,31 +615,19 @@ async fn a_pod_that_cannot_be_marked_does_not_stall_its_policys_releases() {
     )
     .await;
     let vap = format!("freeze-{}", ns.name);
-    let vap_obj = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-        "metadata": { "name": vap },
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } },
-                "resourceRules": [{ "apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods"] }],
-            },
-            "validations": [{
-                "expression": "!(has(object.metadata.labels) && 'freeze' in object.metadata.labels)",
-                "message": "frozen Pods are not changed", "reason": "Forbidden",
-            }],
-        },
-    });
-    let binding = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": { "name": vap }, "spec": { "policyName": vap, "validationActions": ["Deny"] },
-    });
-    let apply = PatchParams::apply("capo-tests").force();
-    Api::<ValidatingAdmissionPolicy>::all(client.clone()).patch(&vap, &apply, &Patch::Apply(vap_obj)).await.unwrap();
-    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
-        .patch(&vap, &apply, &Patch::Apply(binding))
-        .await
-        .unwrap();
+    deny_by_policy(
+        &client,
+        &vap,
+        json!({
+            "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } },
+            "resourceRules": [{ "apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods"] }],
+        }),
+        json!({
+            "expression": "!(has(object.metadata.labels) && 'freeze' in object.metadata.labels)",
+            "message": "frozen Pods are not changed", "reason": "Forbidden",
+        }),
+    )
+    .await;
     let frozen_ip = Ips::v4();
     let frozen = unscheduled_pod("frozen", &[("app", "redis"), ("freeze", "true")], &[]);
     create_pod_with_ips(&client, &ns.name, frozen, &[frozen_ip]).await;
@@ -694,8 +681,7 @@ async fn a_pod_that_cannot_be_marked_does_not_stall_its_policys_releases() {
     );
 
     // The frozen Pod goes: its hold is released then, on the next look.
-    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone()).delete(&vap, &Default::default()).await.unwrap();
-    Api::<ValidatingAdmissionPolicy>::all(client.clone()).delete(&vap, &Default::default()).await.unwrap();
+    remove_policy(&client, &vap).await;
     pods.delete("frozen", &Default::default()).await.unwrap();
     wait_released(&client, frozen_ip, Duration::from_secs(30)).await;
 }

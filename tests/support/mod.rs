@@ -556,3 +556,38 @@ pub async fn holds_and_releases(admin: &Client, ns: &str, policy: &str, pod: &st
     let entries = reservation(admin, CalicoApiGroup::CrdV1, &reservation_name).await.unwrap_or_default();
     assert!(!entries.contains(&cidr(ip)), "{ip} left {reservation_name}: {entries:?}");
 }
+
+/// A ValidatingAdmissionPolicy `name` (and its Deny binding) that refuses what
+/// `match_constraints` matches unless `validation` holds: a server-side rule of the kind
+/// Gatekeeper, Kyverno or a network team writes. It reaches the admission chain
+/// asynchronously: wait until it refuses something before relying on it.
+pub async fn deny_by_policy(
+    client: &Client,
+    name: &str,
+    match_constraints: serde_json::Value,
+    validation: serde_json::Value,
+) {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let policy = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": { "name": name },
+        "spec": { "failurePolicy": "Fail", "matchConstraints": match_constraints, "validations": [validation] },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": { "name": name }, "spec": { "policyName": name, "validationActions": ["Deny"] },
+    });
+    let apply = PatchParams::apply("capo-tests").force();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone()).patch(name, &apply, &Patch::Apply(policy)).await.unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .patch(name, &apply, &Patch::Apply(binding))
+        .await
+        .unwrap();
+}
+
+/// Removes what [`deny_by_policy`] made.
+pub async fn remove_policy(client: &Client, name: &str) {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone()).delete(name, &Default::default()).await.unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone()).delete(name, &Default::default()).await.unwrap();
+}

@@ -27,18 +27,22 @@ pub const CALICO_APISERVER_SERVICE: (&str, &str) = ("calico-apiserver", "calico-
 /// The common name of the front-proxy client certificate (`--requestheader-allowed-names`).
 pub const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
 
+/// A new CA named `name`: its certificate's PEM and the issuer that signs with it.
+fn new_ca(name: &str) -> Result<(String, Issuer<'static, KeyPair>), Error> {
+    let key = KeyPair::generate().map_err(cert_err("CA key"))?;
+    let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("CA params"))?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let cert = params.self_signed(&key).map_err(cert_err("CA certificate"))?;
+    Ok((cert.pem(), Issuer::new(params, key)))
+}
+
 /// Writes `ca.crt`, `apiserver.{crt,key}`, `admin.{crt,key}`, `sa.{key,pub}`,
 /// `front-proxy-ca.crt`, `front-proxy-client.{crt,key}` and `calico-apiserver.{crt,key}`
 /// into `dir`.
 pub fn write(dir: &Path) -> Result<Pki, Error> {
-    let ca_key = KeyPair::generate().map_err(cert_err("CA key"))?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("CA params"))?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(DnType::CommonName, "capo-testenv-ca");
-    ca_params.key_usages =
-        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    let ca_cert = ca_params.self_signed(&ca_key).map_err(cert_err("CA certificate"))?;
-    let ca = Issuer::new(ca_params, ca_key);
+    let (ca_pem, ca) = new_ca("capo-testenv-ca")?;
 
     let serving_key = KeyPair::generate().map_err(cert_err("serving key"))?;
     let mut serving = CertificateParams::new(vec![
@@ -74,22 +78,15 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
     calico.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     let calico_cert = calico.signed_by(&calico_key, &ca).map_err(cert_err("calico-apiserver certificate"))?;
 
-    let proxy_ca_key = KeyPair::generate().map_err(cert_err("front-proxy CA key"))?;
-    let mut proxy_ca_params =
-        CertificateParams::new(Vec::<String>::new()).map_err(cert_err("front-proxy CA params"))?;
-    proxy_ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    proxy_ca_params.distinguished_name.push(DnType::CommonName, "capo-testenv-front-proxy-ca");
-    proxy_ca_params.key_usages =
-        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    let proxy_ca_cert = proxy_ca_params.self_signed(&proxy_ca_key).map_err(cert_err("front-proxy CA certificate"))?;
-    let proxy_ca = Issuer::new(proxy_ca_params, proxy_ca_key);
+    let (proxy_ca_pem, proxy_ca) = new_ca("capo-testenv-front-proxy-ca")?;
     let proxy_key = KeyPair::generate().map_err(cert_err("front-proxy client key"))?;
     let mut proxy = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("front-proxy client params"))?;
     proxy.distinguished_name.push(DnType::CommonName, FRONT_PROXY_CLIENT);
     proxy.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
     let proxy_cert = proxy.signed_by(&proxy_key, &proxy_ca).map_err(cert_err("front-proxy client certificate"))?;
 
-    let pki = Pki { ca_pem: ca_cert.pem(), admin_cert_pem: admin_cert.pem(), admin_key_pem: admin_key.serialize_pem() };
+    let pki =
+        Pki { ca_pem: ca_pem.clone(), admin_cert_pem: admin_cert.pem(), admin_key_pem: admin_key.serialize_pem() };
     let files = [
         ("ca.crt", pki.ca_pem.clone()),
         ("apiserver.crt", serving_cert.pem()),
@@ -98,7 +95,7 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
         ("admin.key", pki.admin_key_pem.clone()),
         ("sa.key", sa_key.serialize_pem()),
         ("sa.pub", sa_key.public_key_pem()),
-        ("front-proxy-ca.crt", proxy_ca_cert.pem()),
+        ("front-proxy-ca.crt", proxy_ca_pem.clone()),
         ("front-proxy-client.crt", proxy_cert.pem()),
         ("front-proxy-client.key", proxy_key.serialize_pem()),
         ("calico-apiserver.crt", calico_cert.pem()),
@@ -125,14 +122,7 @@ pub struct EtcdPki {
 
 /// Writes `ca.crt`, `server.{crt,key}` and `client.{crt,key}` into `dir`.
 pub fn write_etcd(dir: &Path) -> Result<EtcdPki, Error> {
-    let ca_key = KeyPair::generate().map_err(cert_err("etcd CA key"))?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("etcd CA params"))?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(DnType::CommonName, "capo-testenv-calico-etcd-ca");
-    ca_params.key_usages =
-        vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    let ca_cert = ca_params.self_signed(&ca_key).map_err(cert_err("etcd CA certificate"))?;
-    let ca = Issuer::new(ca_params, ca_key);
+    let (ca_pem, ca) = new_ca("capo-testenv-calico-etcd-ca")?;
 
     let server_key = KeyPair::generate().map_err(cert_err("etcd serving key"))?;
     let mut server = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
@@ -155,7 +145,7 @@ pub fn write_etcd(dir: &Path) -> Result<EtcdPki, Error> {
         client_key: dir.join("client.key"),
     };
     let files = [
-        (&pki.ca, ca_cert.pem()),
+        (&pki.ca, ca_pem.clone()),
         (&pki.server_cert, server_cert.pem()),
         (&pki.server_key, server_key.serialize_pem()),
         (&pki.client_cert, client_cert.pem()),
