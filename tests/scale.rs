@@ -240,7 +240,7 @@ async fn one_pod_event_costs_the_leader_only_that_pods_hold() {
     let ips = many_pods(&client, &ns.name, "redis", 100).await;
     let canary = Ips::v4();
     let mut pod = unscheduled_pod("one", &[("app", "redis")], &[]);
-    pod.metadata.finalizers = Some(vec!["capo.test/keep".into()]);
+    keep_while_deleted(&client, &mut pod).await;
     create_pod_with_ips(&client, &ns.name, pod, &[canary]).await;
     // The webhook registration reaches the API server asynchronously.
     eventually("capo to hold", Duration::from_secs(30), || async {
@@ -262,7 +262,7 @@ async fn one_pod_event_costs_the_leader_only_that_pods_hold() {
     })
     .await;
     proxy.clear_requests();
-    remove_finalizer(&client, &ns.name, "one").await;
+    let_go(&client, &ns.name, "one").await;
     wait_status(&client, canary).await;
     let calls: Vec<(Method, String)> =
         // Watches and the Lease's renewal (every few seconds, whatever happens) aside.

@@ -465,7 +465,9 @@ impl Ctx {
             return;
         }
         let pod = self.pods.get(&rec.spec.pod.namespace, &rec.spec.pod.name);
-        let gone = decide::pod_state(rec, pod.as_deref()) == PodState::Gone;
+        let departed = self.pods.saw_depart(&rec.spec.pod.uid);
+        let gone = decide::pod_state(rec, pod.as_deref()) == PodState::Gone
+            && !decide::missing_too_soon(rec, pod.as_deref(), departed, Timestamp::now(), &self.settings.plan);
         let uid = rec.uid().unwrap_or_default();
         let mut memory = self.memory.lock().expect("memory lock");
         if !gone {
@@ -702,6 +704,7 @@ impl Ctx {
                 now,
                 record: &rec,
                 pod: pod.as_deref(),
+                departure_seen: self.pods.saw_depart(&spec.pod.uid),
                 policy: policy.as_deref(),
                 entry_present,
                 namespace_exists: self.namespaces.get(&spec.pod.namespace).is_some(),

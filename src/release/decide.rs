@@ -76,6 +76,24 @@ pub fn pod_state(record: &ReservedIP, pod: Option<&PodFacts>) -> PodState {
     }
 }
 
+/// Whether a Pod missing from the leader's store cannot be taken as gone yet: the store
+/// never saw it leave, and its hold was made less than the settle time ago, so most likely
+/// the Pod's creation has not reached a lagging watch yet. Counting down from now would
+/// start the countdown before the Pod is gone (a Pod kept by a finalizer, or in its grace
+/// period); waiting out the settle time only ever starts it later.
+pub fn missing_too_soon(
+    record: &ReservedIP,
+    pod: Option<&PodFacts>,
+    departure_seen: bool,
+    now: Timestamp,
+    settings: &PlanSettings,
+) -> bool {
+    pod.is_none()
+        && !departure_seen
+        && record.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none())
+        && now < plus(record.spec.reserved_at.0, settings.settle)
+}
+
 /// Knobs of the leader that are not in any policy.
 #[derive(Clone, Debug)]
 pub struct PlanSettings {
@@ -113,6 +131,8 @@ pub struct Facts<'a> {
     pub record: &'a ReservedIP,
     /// The Pod of the record's namespace/name now, if any.
     pub pod: Option<&'a PodFacts>,
+    /// Whether the leader's Pod store saw the record's Pod (by UID) leave.
+    pub departure_seen: bool,
     /// The record's policy, if it exists and is valid.
     pub policy: Option<&'a CompiledPolicy>,
     /// Whether the entry is in the record's reservation.
@@ -177,6 +197,10 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     let mut recheck = None;
     // When it is due, and why; None: not counting down.
     let mut due: Option<(Timestamp, ReleaseReason)> = match state {
+        PodState::Gone if missing_too_soon(rec, f.pod, f.departure_seen, now, settings) => {
+            recheck = Some(just_held);
+            None
+        }
         PodState::Kept if current.pod_kept_since.is_none() && now < just_held => {
             recheck = Some(just_held);
             None
@@ -202,6 +226,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
         }
     };
     if state == PodState::Gone
+        && due.is_some()
         && let Some(p) = f.policy
     {
         let ns_gone = p.release_early.namespace_deleted && !f.namespace_exists;
@@ -326,6 +351,7 @@ pub(crate) mod tests {
             now: at(now),
             record: rec,
             pod,
+            departure_seen: false,
             policy,
             entry_present: true,
             namespace_exists: true,
@@ -375,6 +401,31 @@ pub(crate) mod tests {
         let mut f = facts(&r, Some(&deleting), Some(&p), 200.0);
         f.seen_gone = Some(at(150.0));
         assert!(decide(&f, &PlanSettings::default()).status.pod_gone_at.is_none());
+    }
+
+    #[test]
+    fn a_pod_missing_from_the_store_a_moment_after_its_hold_is_not_gone_unless_the_store_saw_it_leave() {
+        let p = policy("p", json!({ "releaseEarly": { "workloadDeleted": true } }));
+        let r = record("10.0.0.1", "p", 100.0, None);
+        let s = PlanSettings::default();
+        // Missing, never seen leaving, held 1 s ago: a lagging watch, not a gone Pod.
+        let mut f = facts(&r, None, Some(&p), 101.0);
+        f.owner = Owner::Gone;
+        f.seen_gone = Some(at(100.5));
+        let d = decide(&f, &s);
+        assert!(d.status.pod_gone_at.is_none(), "no countdown from a Pod the store has not seen yet");
+        assert_eq!(d.action, Action::Wait(Some(at(105.0))), "looked at again once the store had time to settle");
+        // Seen leaving: gone at once, counted from when it was seen.
+        f.departure_seen = true;
+        let d = decide(&f, &s);
+        assert_eq!(d.status.pod_gone_at.as_ref().unwrap().0, at(100.5));
+        assert!(matches!(d.action, Action::Release { reason: ReleaseReason::WorkloadGone, .. }));
+        // Past the settle time a missing Pod is gone (the store had its chance).
+        let d = decide(&facts(&r, None, Some(&p), 105.0), &s);
+        assert_eq!(d.status.pod_gone_at.as_ref().unwrap().0, at(105.0));
+        // A countdown already written is kept, whatever the store says now.
+        let written = record("10.0.0.1", "p", 100.0, gone_at(100.2));
+        assert_eq!(decide(&facts(&written, None, Some(&p), 101.0), &s).action, Action::Wait(Some(at(160.2))));
     }
 
     #[test]

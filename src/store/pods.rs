@@ -5,7 +5,8 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use crate::store::Guarded;
 use kube::api::Api;
@@ -65,11 +66,44 @@ impl Inner {
 pub struct PodStore {
     inner: RwLock<Inner>,
     events: broadcast::Sender<PodEvent>,
+    departed: Mutex<Departed>,
 }
 
 impl Default for PodStore {
     fn default() -> Self {
-        Self { inner: Default::default(), events: broadcast::channel(8192).0 }
+        Self { inner: Default::default(), events: broadcast::channel(8192).0, departed: Default::default() }
+    }
+}
+
+/// How long the store remembers that it saw a Pod leave. The leader needs it only while a
+/// hold is younger than the settle time (5 s by default); past this it counts a Pod missing
+/// from the store as gone anyway.
+const DEPARTED_KEPT: Duration = Duration::from_secs(120);
+
+/// The UIDs of Pods this store saw leave (deleted, no longer holdable, or missing from a
+/// fresh list after it had them): evidence that a Pod is gone, where a Pod merely missing
+/// may not have reached a lagging watch yet.
+#[derive(Default)]
+struct Departed {
+    at: HashMap<String, Instant>,
+    order: std::collections::VecDeque<(Instant, String)>,
+}
+
+impl Departed {
+    fn note(&mut self, uid: &str, now: Instant) {
+        if uid.is_empty() {
+            return;
+        }
+        while let Some((t, _)) = self.order.front()
+            && now.duration_since(*t) > DEPARTED_KEPT
+        {
+            let (t, uid) = self.order.pop_front().expect("front checked");
+            if self.at.get(&uid) == Some(&t) {
+                self.at.remove(&uid);
+            }
+        }
+        self.at.insert(uid.to_string(), now);
+        self.order.push_back((now, uid.to_string()));
     }
 }
 
@@ -101,6 +135,19 @@ impl PodStore {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether this store saw the Pod with `uid` leave (within the last two minutes).
+    pub fn saw_depart(&self, uid: &str) -> bool {
+        self.departed.lock().expect("departed lock").at.contains_key(uid)
+    }
+
+    fn departs(&self, uids: impl IntoIterator<Item = String>) {
+        let now = Instant::now();
+        let mut departed = self.departed.lock().expect("departed lock");
+        for uid in uids {
+            departed.note(&uid, now);
+        }
     }
 
     pub fn subscribe(&self) -> broadcast::Receiver<PodEvent> {
@@ -136,7 +183,19 @@ impl PodStore {
                     fresh.insert(p);
                 }
                 let count = fresh.pods.len();
-                *self.inner.write().expect("pod store lock") = fresh;
+                // Pods the store had that the fresh list lacks left during the gap.
+                let left: Vec<String> = {
+                    let mut inner = self.inner.write().expect("pod store lock");
+                    let left = inner
+                        .pods
+                        .values()
+                        .filter(|p| fresh.pods.get(&p.key()).is_none_or(|n| n.uid != p.uid))
+                        .map(|p| p.uid.clone())
+                        .collect();
+                    *inner = fresh;
+                    left
+                };
+                self.departs(left);
                 debug!(count, "pod store synced");
                 readiness.set_pods_synced();
                 let _ = self.events.send(PodEvent::Resync);
@@ -145,14 +204,19 @@ impl PodStore {
                 readiness.watch_ok("pods");
                 events.inc();
                 let (namespace, name) = (object.namespace().unwrap_or_default(), object.name_any());
-                {
+                let replaced = {
                     let mut inner = self.inner.write().expect("pod store lock");
+                    let key = (namespace.clone(), name.clone());
                     if kept(&object.facts) {
+                        let uid = object.facts.uid.clone();
+                        let old = inner.pods.get(&key).filter(|o| o.uid != uid).map(|o| o.uid.clone());
                         inner.insert(Arc::new(object.facts));
+                        old
                     } else {
-                        inner.remove(&(namespace.clone(), name.clone()));
+                        inner.remove(&key).map(|o| o.uid.clone()).or(Some(object.facts.uid))
                     }
-                }
+                };
+                self.departs(replaced);
                 self.changed(namespace, name);
             }
             Change::Delete(object) => {
@@ -160,11 +224,35 @@ impl PodStore {
                 events.inc();
                 let key = (object.namespace().unwrap_or_default(), object.name_any());
                 self.inner.write().expect("pod store lock").remove(&key);
+                self.departs([object.facts.uid]);
                 self.changed(key.0, key.1);
             }
             Change::Invalid(_) => readiness.watch_ok("pods"),
             Change::Failed(_) => readiness.watch_failed("pods"),
         })
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn departures_are_remembered_for_two_minutes_and_then_forgotten() {
+        let mut d = Departed::default();
+        let t0 = Instant::now();
+        d.note("a", t0);
+        d.note("", t0);
+        d.note("b", t0 + Duration::from_secs(60));
+        assert!(d.at.contains_key("a") && d.at.contains_key("b") && d.at.len() == 2, "no empty UID");
+        d.note("c", t0 + Duration::from_secs(121));
+        assert!(!d.at.contains_key("a"), "older than two minutes");
+        assert!(d.at.contains_key("b") && d.at.contains_key("c"));
+        // Noted again: the later time counts, the earlier queue slot does not drop it.
+        d.note("b", t0 + Duration::from_secs(170));
+        d.note("z", t0 + Duration::from_secs(182));
+        assert!(d.at.contains_key("b"), "re-noted at 170 s");
+        assert_eq!(d.order.len(), 3, "b's first slot went");
     }
 }

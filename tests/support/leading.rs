@@ -11,7 +11,7 @@ use capo_api::{CalicoApiGroup, ReservedIP};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 use super::*;
@@ -89,17 +89,49 @@ pub async fn selected_pod(client: &Client, ns: &str, name: &str, finalizer: bool
     let ip = Ips::v4();
     let mut pod = unscheduled_pod(name, &[("app", "redis")], &[]);
     if finalizer {
-        pod.metadata.finalizers = Some(vec!["capo.test/keep".into()]);
+        keep_while_deleted(client, &mut pod).await;
     }
     create_pod_with_ips(client, ns, pod, &[ip]).await;
     ip
 }
 
-pub async fn remove_finalizer(client: &Client, ns: &str, name: &str) {
-    Api::<Pod>::namespaced(client.clone(), ns)
-        .patch(name, &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
+/// A Node no kubelet or kwok runs (so nothing changes its Pods), created once: Pods bound
+/// to it are neither unscheduled nor orphaned for the Pod garbage collector. The node
+/// lifecycle controller only taints it unreachable after 40 s, and its Pods tolerate that
+/// for five minutes.
+pub async fn quiet_node(client: &Client) -> String {
+    use k8s_openapi::api::core::v1::Node;
+    const NAME: &str = "capo-test-quiet";
+    let nodes = Api::<Node>::all(client.clone());
+    let node: Node = serde_json::from_value(json!({ "metadata": { "name": NAME } })).unwrap();
+    match nodes.create(&PostParams::default(), &node).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create Node {NAME}: {e}"),
+    }
+    NAME.to_string()
+}
+
+/// Makes `pod` stay, being deleted, until [`let_go`]: a finalizer, and a node. (A Pod
+/// being deleted that no node has is marked Failed and force-deleted by the Pod garbage
+/// collector within 20 s; one on a node waits for its kubelet, as on a real cluster.)
+pub async fn keep_while_deleted(client: &Client, pod: &mut Pod) {
+    pod.metadata.finalizers = Some(vec!["capo.test/keep".into()]);
+    pod.spec.as_mut().expect("spec").node_name = Some(quiet_node(client).await);
+}
+
+/// Ends the deletion of a Pod made by [`keep_while_deleted`]: its finalizer goes, and the
+/// Pod is deleted with grace 0, as its kubelet does once its containers have stopped.
+pub async fn let_go(client: &Client, ns: &str, name: &str) {
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    pods.patch(name, &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "finalizers": null } })))
         .await
         .expect("remove finalizer");
+    match pods.delete(name, &kube::api::DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => panic!("delete {ns}/{name} with grace 0: {e}"),
+    }
 }
 
 /// Sets a Pod's phase, as a kubelet does (e.g. `Failed` on a node-pressure eviction).
