@@ -422,6 +422,133 @@ async fn a_pdb_refused_eviction_does_not_leave_a_hold_forever() {
     );
 }
 
+/// A PodDisruptionBudget that refuses every eviction of the Pods labelled `kept=yes`.
+async fn refuse_evictions(client: &kube::Client, ns: &str) {
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "kept" },
+        "spec": { "maxUnavailable": 0, "selector": { "matchLabels": { "kept": "yes" } } },
+    }))
+    .unwrap();
+    Api::namespaced(client.clone(), ns).create(&PostParams::default(), &pdb).await.unwrap();
+}
+
+/// A Pod kwok runs (selected by `app=redis`, covered by [`refuse_evictions`]) whose
+/// eviction is refused: capo holds it on the eviction, and the Pod stays. With `settled`,
+/// waits until the leader counts the hold as staying (`podKeptSince`). Returns its IP.
+async fn refused_eviction(client: &kube::Client, ns: &str, name: &str, settled: bool) -> std::net::IpAddr {
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    pods.create(&PostParams::default(), &kwok_pod(name, &[("app", "redis"), ("kept", "yes")])).await.unwrap();
+    let ip = pod_ips(&wait_running(client, ns, name).await)[0];
+    // The disruption controller must have counted the Pod before the PDB refuses.
+    let what = format!("the eviction of {name} refused by the PDB");
+    eventually(&what, Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move {
+            match pods.evict(name, &EvictParams::default()).await {
+                Err(kube::Error::Api(s)) if s.code == 429 && s.message.contains("disruption budget") => Some(()),
+                Err(kube::Error::Api(s)) if s.code == 429 => None,
+                other => panic!("the PDB should refuse the eviction of {name}: {other:?}"),
+            }
+        }
+    })
+    .await;
+    assert!(record(client, ip).await.is_some(), "{name} held on its eviction");
+    if settled {
+        eventually(
+            &format!("{name}'s hold counted as staying (podKeptSince)"),
+            Duration::from_secs(30),
+            || async move { record(client, ip).await?.status?.pod_kept_since.map(|_| ()) },
+        )
+        .await;
+    }
+    ip
+}
+
+#[tokio::test]
+async fn at_the_cap_holds_of_pods_still_there_go_before_holds_of_pods_that_left() {
+    let Scene { client, ns, capo, policy } = scene(
+        "rel-fair",
+        Duration::from_secs(600),
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 2, "releaseInterval": "200ms" }),
+    )
+    .await;
+    let mut gone = Vec::new();
+    for i in 0..2 {
+        gone.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+        delete_pod(&client, &ns.name, &format!("redis-{i}")).await.expect("deletion allowed");
+    }
+    for ip in &gone {
+        wait_status(&client, *ip).await;
+    }
+    refuse_evictions(&client, &ns.name).await;
+    let kept = [
+        refused_eviction(&client, &ns.name, "kept-0", false).await,
+        refused_eviction(&client, &ns.name, "kept-1", false).await,
+    ];
+    // Four holds under maxReserved 2: the two whose Pods still run go, though newer.
+    for ip in kept {
+        wait_released(&client, ip, Duration::from_secs(30)).await;
+    }
+    for ip in &gone {
+        assert!(record(&client, *ip).await.is_some(), "{ip}: a hold of a Pod that left was released by the cap");
+        assert!(entries(&client, &policy).await.contains(&cidr(*ip)), "{ip} still reserved");
+    }
+    let cap = format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}");
+    assert_eq!(wait_metric(&capo, &cap, 2.0).await, 2.0);
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    assert!(pods.get("kept-0").await.is_ok() && pods.get("kept-1").await.is_ok(), "the Pods still run");
+}
+
+#[tokio::test]
+async fn a_queued_cap_release_is_decided_afresh_when_its_pod_leaves_before_its_slot() {
+    let Scene { client, ns, capo, policy } = scene(
+        "rel-stale",
+        Duration::from_secs(600),
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 2, "releaseInterval": "15s" }),
+    )
+    .await;
+    refuse_evictions(&client, &ns.name).await;
+    let spent = selected_pod(&client, &ns.name, "redis-spent", false).await;
+    delete_pod(&client, &ns.name, "redis-spent").await.unwrap();
+    wait_status(&client, spent).await;
+    let kept = refused_eviction(&client, &ns.name, "kept-0", true).await;
+    // A manual release spends this policy's slot: the next opens 15 s later.
+    let (code, _, err) = capo_cli(&["release", &spent.to_string()]).await;
+    assert_eq!(code, 0, "{err}");
+    // Three holds under maxReserved 2: the refused eviction's is chosen and waits for the slot.
+    let mut gone = Vec::new();
+    for i in 0..2 {
+        gone.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+        delete_pod(&client, &ns.name, &format!("redis-{i}")).await.unwrap();
+    }
+    wait_event(&client, "default", &policy, "CapReached").await;
+    // Before that slot the eviction is retried and allowed: the webhook answers "held",
+    // and the Pod leaves. Its hold is now as real as any.
+    Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(client.clone(), &ns.name)
+        .delete("kept", &DeleteParams::default())
+        .await
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    eventually("the eviction allowed", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move { pods.evict("kept-0", &EvictParams::default()).await.ok() }
+    })
+    .await;
+    eventually("kept-0 gone", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move { pods.get_opt("kept-0").await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+    // At the slot the cap is decided afresh: the oldest hold of a Pod that left goes, not
+    // the one just answered "held".
+    wait_released(&client, gone[0], Duration::from_secs(30)).await;
+    assert!(record(&client, kept).await.is_some(), "the hold answered \"held\" was released");
+    assert!(entries(&client, &policy).await.contains(&cidr(kept)), "{kept} still reserved");
+    assert!(record(&client, gone[1]).await.is_some());
+    let cap = format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}");
+    assert_eq!(wait_metric(&capo, &cap, 1.0).await, 1.0);
+}
+
 #[tokio::test]
 async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says_so() {
     let (client, ns) = setup("rel-early").await;

@@ -2,7 +2,8 @@
 //! namespace's oldest; then past `maxReserved`, the policy's oldest. The pool guard, per
 //! IP pool: past a policy's `maxPoolShare` of the pool's unused addresses, that policy's
 //! oldest in the pool; then past `--max-pool-share`, the oldest of all in the pool.
-//! "Oldest" is by the API server's clock — the record's `creationTimestamp` (seconds) —
+//! Holds whose Pod is still there (a refused eviction, a denied review) go before all
+//! others, oldest first. "Oldest" is by the API server's clock — the record's `creationTimestamp` (seconds) —
 //! and only within one second by `reservedAt` (the writing replica's clock), then by name.
 
 use std::collections::{BTreeMap, HashSet};
@@ -15,13 +16,16 @@ pub struct Counted<'a> {
     pub name: &'a str,
     /// What a share is counted by: the namespace for the cap, the policy for the pool guard.
     pub group: &'a str,
-    /// The record's `creationTimestamp`.
+    /// Its Pod is still there (a refused eviction, a denied review): such holds go first.
+    pub present: bool,
+    /// The record's `creationTimestamp` (or, for a hold whose Pod stayed at first, when
+    /// it left).
     pub created: Timestamp,
     pub reserved_at: Timestamp,
 }
 
 fn age_order(a: &Counted<'_>, b: &Counted<'_>) -> std::cmp::Ordering {
-    (a.created, a.reserved_at, a.name).cmp(&(b.created, b.reserved_at, b.name))
+    (!a.present, a.created, a.reserved_at, a.name).cmp(&(!b.present, b.created, b.reserved_at, b.name))
 }
 
 /// The names of the holds to release, oldest first: past `maxReservedPerNamespace`
@@ -77,7 +81,7 @@ mod tests {
     }
 
     fn hold<'a>(name: &'a str, ns: &'a str, created: i64, reserved: i64) -> Counted<'a> {
-        Counted { name, group: ns, created: t(created, 0), reserved_at: t(0, reserved) }
+        Counted { name, group: ns, present: false, created: t(created, 0), reserved_at: t(0, reserved) }
     }
 
     #[test]
@@ -126,6 +130,15 @@ mod tests {
         assert_eq!(over_pool_share(0, 50, |_| None, holds).len(), 6);
         // 100% never releases anything the pool could not hold.
         assert!(over_pool_share(6, 100, |_| Some(100), vec![hold("x", "a", 0, 0)]).is_empty());
+    }
+
+    #[test]
+    fn holds_of_pods_still_there_go_before_holds_of_pods_that_left() {
+        let mut staying = hold("evicted-refused", "x", 5, 0);
+        staying.present = true;
+        let holds = vec![hold("gone-1", "x", 0, 0), hold("gone-2", "x", 1, 0), staying];
+        assert_eq!(over_cap(2, None, holds.clone()), vec!["evicted-refused".to_string()]);
+        assert_eq!(over_cap(1, None, holds), vec!["evicted-refused".to_string(), "gone-1".to_string()]);
     }
 
     #[test]

@@ -144,6 +144,16 @@ impl Key {
     }
 }
 
+/// Where a hold stands for the cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Standing {
+    /// Its Pod is still there (a refused eviction, a denied review): it goes first.
+    Present,
+    /// Held a moment ago, its Pod still in the store: settled at that time.
+    Unsettled(Timestamp),
+    Gone,
+}
+
 /// The leader's memory between reconciles.
 #[derive(Default)]
 struct Memory {
@@ -173,6 +183,9 @@ struct Memory {
     policies: BTreeMap<String, Arc<CompiledPolicy>>,
     /// Record → how often its Pod could not be marked before its release (the backoff).
     unmarked: HashMap<String, u32>,
+    /// Record → (its uid, when its Pod left): holds whose Pod stayed at first (a refused
+    /// eviction) and left later count against the cap from then, not from the hold.
+    left: HashMap<String, (String, Timestamp)>,
 }
 
 struct Ctx {
@@ -445,6 +458,10 @@ impl Ctx {
         for r in self.records.for_pod(namespace, name) {
             if let Some(rec) = self.records.get(&r) {
                 self.note_pod_gone(&rec);
+                // Whether its Pod is still there decides its place at the cap.
+                if self.in_scope(&rec.spec.policy) {
+                    self.queue.add_after(Key::Policy(rec.spec.policy.clone()), POLICY_GATHER);
+                }
             }
             self.queue.add(Key::Record(r));
         }
@@ -686,6 +703,7 @@ impl Ctx {
             memory.announced.remove(name);
             memory.gone_seen.remove(name);
             memory.unmarked.remove(name);
+            memory.left.remove(name);
             return Ok(None);
         };
         let spec = &rec.spec;
@@ -714,6 +732,7 @@ impl Ctx {
             },
             &self.settings.plan,
         );
+        self.note_left(&rec, pod.as_deref(), now);
         self.announce(&rec).await;
         // A hold first looked at once it is already due (it waited behind a storm of new
         // holds) is released without writing the countdown it no longer needs: a worker
@@ -725,10 +744,7 @@ impl Ctx {
         match decision.action {
             Action::Wait(at) => Ok(at.map(instant)),
             Action::Release { reason, due } => {
-                self.pacer
-                    .lock()
-                    .expect("pacer lock")
-                    .submit(&spec.policy, Leaving { record: rec.clone(), reason, due });
+                self.pacer.lock().expect("pacer lock").submit(&spec.policy, self.leaving(rec.clone(), reason, due));
                 self.queue.add_urgent(Key::Release(spec.policy.clone()));
                 Ok(None)
             }
@@ -777,6 +793,62 @@ impl Ctx {
             Some(*memory.missing.entry(name).or_insert(now))
         };
         (missing_since, seen_gone)
+    }
+
+    /// A release of `record`, decided now on its Pod's state as the store shows it.
+    fn leaving(&self, record: Arc<capo_api::ReservedIP>, reason: ReleaseReason, due: Timestamp) -> Leaving {
+        let p = &record.spec.pod;
+        let pod = decide::pod_state(&record, self.pods.get(&p.namespace, &p.name).as_deref());
+        Leaving { record, reason, due, pod }
+    }
+
+    /// Notes when the Pod of a hold that was counted as staying (`podKeptSince`) left.
+    fn note_left(&self, rec: &capo_api::ReservedIP, pod: Option<&crate::pod::PodFacts>, now: Timestamp) {
+        let kept_before = rec.status.as_ref().is_some_and(|s| s.pod_kept_since.is_some());
+        if kept_before && decide::pod_state(rec, pod) != PodState::Kept {
+            let uid = rec.uid().unwrap_or_default();
+            let mut memory = self.memory.lock().expect("memory lock");
+            let e = memory.left.entry(rec.name_any()).or_insert_with(|| (uid.clone(), now));
+            if e.0 != uid {
+                *e = (uid, now);
+            }
+        }
+    }
+
+    /// Where a hold stands for the cap: its Pod still there (counted as staying, or past
+    /// the settle time), not known yet (held a moment ago, the Pod not yet seen leaving),
+    /// or gone; and its age, from its record or from when its once-staying Pod left.
+    fn cap_standing(&self, rec: &capo_api::ReservedIP, now: Timestamp) -> (Standing, Timestamp) {
+        let p = &rec.spec.pod;
+        let pod = self.pods.get(&p.namespace, &p.name);
+        self.note_left(rec, pod.as_deref(), now);
+        let kept = decide::pod_state(rec, pod.as_deref()) == PodState::Kept;
+        let kept_since = rec.status.as_ref().is_some_and(|s| s.pod_kept_since.is_some());
+        let settled = decide::just_held(rec, &self.settings.plan);
+        let standing = match kept {
+            true if kept_since || settled <= now => Standing::Present,
+            true => Standing::Unsettled(settled),
+            false => Standing::Gone,
+        };
+        let created = rec.metadata.creation_timestamp.as_ref().map_or(rec.spec.reserved_at.0, |t| t.0);
+        let uid = rec.uid().unwrap_or_default();
+        let left =
+            self.memory.lock().expect("memory lock").left.get(&rec.name_any()).filter(|(u, _)| *u == uid).map(|l| l.1);
+        (standing, left.map_or(created, |l| l.max(created)))
+    }
+
+    /// Of a slot's releases, those still what they were decided on: the record unchanged
+    /// (an operator's `extend`, a new hold under the same name) and its Pod in the same
+    /// state (a refused eviction retried and allowed, its hold now answered "held"). The
+    /// others are looked at afresh.
+    fn still_decided(&self, leaving: Vec<Leaving>) -> (Vec<Leaving>, Vec<Leaving>) {
+        leaving.into_iter().partition(|l| {
+            let Some(now) = self.records.get(&l.name()) else { return false };
+            let p = &now.spec.pod;
+            now.metadata.uid == l.record.metadata.uid
+                && now.metadata.resource_version == l.record.metadata.resource_version
+                && decide::pod_state(&now, self.pods.get(&p.namespace, &p.name).as_deref()) == l.pod
+        })
     }
 
     /// A record that appeared while this replica leads: an `IPHeld` Event on its Pod, or,
@@ -863,15 +935,31 @@ impl Ctx {
             self.memory.lock().expect("memory lock").over_cap.remove(name);
             return Ok(None);
         }
+        let now = Timestamp::now();
+        let standing: Vec<(Standing, Timestamp)> = holds.iter().map(|r| self.cap_standing(r, now)).collect();
+        // A hold made a moment ago whose Pod still looks there may be a deletion the Pod
+        // store has not shown yet, or an eviction about to be refused; if the latter, it
+        // would go first. So it is left out of the choice (as if it went first): only what
+        // goes whichever it turns out to be is chosen now, the rest once it is settled (a
+        // Pod event brings that forward).
+        let unsettled = standing
+            .iter()
+            .filter_map(|(s, _)| match s {
+                Standing::Unsettled(at) => Some(*at),
+                _ => None,
+            })
+            .min();
         let victims = {
             let pacer = self.pacer.lock().expect("pacer lock");
             let counted: Vec<cap::Counted<'_>> = holds
                 .iter()
-                .filter(|r| !pacer.contains(r))
-                .map(|r| cap::Counted {
+                .zip(&standing)
+                .filter(|(r, (s, _))| !pacer.contains(r) && !matches!(s, Standing::Unsettled(_)))
+                .map(|(r, (s, age))| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.pod.namespace,
-                    created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
+                    present: *s == Standing::Present,
+                    created: *age,
                     reserved_at: r.spec.reserved_at.0,
                 })
                 .collect();
@@ -886,8 +974,9 @@ impl Ctx {
                 memory.over_cap.insert(name.to_string())
             }
         };
+        let recheck = unsettled.map(instant);
         if victims.is_empty() {
-            return Ok(None);
+            return Ok(recheck);
         }
         if newly_over {
             let share = policy
@@ -897,16 +986,15 @@ impl Ctx {
             let note = format!("more than maxReserved={}{share} IPs held: releasing the oldest", policy.max_reserved);
             self.event(&policy_ref(name), EventType::Warning, "CapReached", "Release", note).await;
         }
-        let now = Timestamp::now();
         let mut pacer = self.pacer.lock().expect("pacer lock");
         for v in victims {
             if let Some(record) = self.records.get(&v) {
-                pacer.submit(name, Leaving { record, reason: ReleaseReason::Cap, due: now });
+                pacer.submit(name, self.leaving(record, ReleaseReason::Cap, now));
             }
         }
         drop(pacer);
         self.queue.add_urgent(Key::Release(name.to_string()));
-        Ok(None)
+        Ok(recheck)
     }
 
     /// A pool (the pool guard): its gauges, and the holds in it past a policy's
@@ -937,6 +1025,8 @@ impl Ctx {
                 .map(|r| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.policy,
+                    // The pool guard counts only holds whose address Calico freed.
+                    present: false,
                     created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
                     reserved_at: r.spec.reserved_at.0,
                 })
@@ -982,7 +1072,7 @@ impl Ctx {
         for (policy, records) in by_policy {
             let mut pacer = self.pacer.lock().expect("pacer lock");
             for record in records {
-                pacer.submit(&policy, Leaving { record, reason: ReleaseReason::Pool, due: now });
+                pacer.submit(&policy, self.leaving(record, ReleaseReason::Pool, now));
             }
             drop(pacer);
             self.queue.add_urgent(Key::Release(policy));
@@ -1004,12 +1094,31 @@ impl Ctx {
     async fn release(&self, policy: &str) -> Result<Option<Instant>, ReleaseError> {
         let (interval, batch) = self.interval_and_batch(policy);
         let cap_budget = self.arrivals(policy, interval);
+        let last = self.pacer.lock().expect("pacer lock").last_slot(policy);
         let taken = self.pacer.lock().expect("pacer lock").take(policy, Instant::now(), interval, batch, cap_budget);
         let leaving = match taken {
             Taken::Empty => return Ok(None),
             Taken::Wait(at) => return Ok(Some(at)),
             Taken::Batch(b) => b,
         };
+        let (leaving, changed) = self.still_decided(leaving);
+        if !changed.is_empty() {
+            let mut pacer = self.pacer.lock().expect("pacer lock");
+            pacer.finish(changed.iter().map(Leaving::name));
+            if leaving.is_empty() {
+                pacer.unspend(policy, last);
+            }
+            drop(pacer);
+            for l in &changed {
+                info!(record = %l.name(), reason = l.reason.as_str(), "the hold changed since its release was decided; deciding afresh");
+                self.queue.add(Key::Record(l.name()));
+                self.pool_of_changed(&l.record.spec.cidr);
+            }
+            self.queue.add(Key::Policy(policy.to_string()));
+            if leaving.is_empty() {
+                return Ok(None);
+            }
+        }
         // A Pod that cannot be marked keeps its own hold (retried later); the rest go.
         let (leaving, unmarked) = self.mark_staying(leaving).await;
         if !unmarked.is_empty() {

@@ -91,7 +91,12 @@ pub fn missing_too_soon(
     pod.is_none()
         && !departure_seen
         && record.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none())
-        && now < plus(record.spec.reserved_at.0, settings.settle)
+        && now < just_held(record, settings)
+}
+
+/// Until when a hold counts as made a moment ago (the settle time after `reservedAt`).
+pub fn just_held(record: &ReservedIP, settings: &PlanSettings) -> Timestamp {
+    plus(record.spec.reserved_at.0, settings.settle)
 }
 
 /// Knobs of the leader that are not in any policy.
@@ -193,7 +198,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     // A hold made a moment ago whose Pod still looks kept: its deletion has most likely not
     // reached this leader's Pod store yet. Looked at again once that had time to settle,
     // instead of writing `podKeptSince` now and taking it back a moment later.
-    let just_held = plus(spec.reserved_at.0, settings.settle);
+    let just_held = just_held(rec, settings);
     let mut recheck = None;
     // When it is due, and why; None: not counting down.
     let mut due: Option<(Timestamp, ReleaseReason)> = match state {

@@ -15,15 +15,19 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use tokio::time::Instant;
 
-use super::decide::ReleaseReason;
+use super::decide::{PodState, ReleaseReason};
 
 /// One hold on its way out.
 #[derive(Clone, Debug)]
 pub struct Leaving {
+    /// The record as it was when the release was decided.
     pub record: Arc<ReservedIP>,
     pub reason: ReleaseReason,
     /// When it was due; `capo_release_lateness_seconds` measures from here.
     pub due: Timestamp,
+    /// Its Pod's state when the release was decided: a release is carried out only while
+    /// the record and this state are what it was decided on.
+    pub pod: PodState,
 }
 
 impl Leaving {
@@ -111,6 +115,18 @@ impl Pacer {
         Taken::Batch(out)
     }
 
+    /// When `policy`'s last slot opened.
+    pub fn last_slot(&self, policy: &str) -> Option<Instant> {
+        self.slots.get(policy).and_then(|s| s.last)
+    }
+
+    /// Gives back a slot that released nothing (all it took was decided afresh).
+    pub fn unspend(&mut self, policy: &str, last: Option<Instant>) {
+        if let Some(s) = self.slots.get_mut(policy) {
+            s.last = last;
+        }
+    }
+
     /// Whether `policy` has releases waiting for a later slot.
     pub fn waiting(&self, policy: &str) -> bool {
         self.slots.get(policy).is_some_and(|s| !s.cap.is_empty() || !s.due.is_empty())
@@ -163,7 +179,7 @@ mod tests {
     use crate::release::decide::tests::{at, gone_at, record};
 
     fn leaving(ip: &str, reason: ReleaseReason, due: f64) -> Leaving {
-        Leaving { record: Arc::new(record(ip, "p", 0.0, gone_at(0.0))), reason, due: at(due) }
+        Leaving { record: Arc::new(record(ip, "p", 0.0, gone_at(0.0))), reason, due: at(due), pod: PodState::Gone }
     }
 
     #[test]
