@@ -144,6 +144,8 @@ pub struct ReleaseMetrics {
     pub safety_net_holds: IntCounterVec,
     /// Pods the safety net saw too late: their IP was already another Pod's.
     pub safety_net_lost_races: IntCounterVec,
+    /// Pods the safety net remembers having dealt with (at most the Pods that exist).
+    pub safety_net_remembered: prometheus::IntGauge,
     /// Per Calico IP pool (set by the leader's pool guard).
     pub pools: PoolMetrics,
 }
@@ -234,6 +236,12 @@ impl ReleaseMetrics {
         )
         .expect("static metric");
         registry.register(Box::new(queue_depth.clone())).expect("unique metric");
+        let safety_net_remembered = prometheus::IntGauge::new(
+            "safety_net_remembered_pods",
+            "Leaving Pods the safety net has dealt with and remembers until they are gone.",
+        )
+        .expect("static metric");
+        registry.register(Box::new(safety_net_remembered.clone())).expect("unique metric");
         Self {
             held: gauge("held_ips", "IPs held now, by policy (set by the leader)."),
             max_reserved: gauge("max_reserved", "The policy's maxReserved."),
@@ -266,6 +274,7 @@ impl ReleaseMetrics {
                 "Pods the safety net saw after their IP was already another Pod's.",
                 &["policy"],
             ),
+            safety_net_remembered,
             pools: PoolMetrics::new(registry),
         }
     }

@@ -94,6 +94,29 @@ impl SafetyNet {
         }
     }
 
+    /// Forgets a Pod that left the store (deleted): the memory stays bounded by the Pods
+    /// that exist.
+    pub fn forget(&self, namespace: &str, name: &str) {
+        let mut done = self.done.lock().expect("safety net lock");
+        if done.remove(&(namespace.to_string(), name.to_string())).is_some() {
+            self.metrics.release.safety_net_remembered.set(done.len() as i64);
+        }
+    }
+
+    /// Forgets every Pod the store no longer has with the same UID (after a fresh list, or
+    /// when Pod events were missed).
+    pub fn prune(&self) {
+        let mut done = self.done.lock().expect("safety net lock");
+        done.retain(|(ns, name), uid| self.pods.get(ns, name).is_some_and(|p| p.uid == *uid));
+        self.metrics.release.safety_net_remembered.set(done.len() as i64);
+    }
+
+    fn remember(&self, key: (String, String), uid: String) {
+        let mut done = self.done.lock().expect("safety net lock");
+        done.insert(key, uid);
+        self.metrics.release.safety_net_remembered.set(done.len() as i64);
+    }
+
     /// Whether a record holds `ip`, and for which Pod UID.
     fn holder_of(&self, ip: IpAddr) -> Option<String> {
         self.records.get(&capo_api::reserved_ip::record_name(ip)).map(|r| r.spec.pod.uid.clone())
@@ -103,7 +126,7 @@ impl SafetyNet {
     pub async fn check(&self, namespace: &str, name: &str, fence: &Fence) -> Result<Outcome, NetError> {
         let key = (namespace.to_string(), name.to_string());
         let Some(pod) = self.pods.get(namespace, name) else {
-            self.done.lock().expect("safety net lock").remove(&key);
+            self.forget(namespace, name);
             return Ok(Outcome::Nothing);
         };
         if self.done.lock().expect("safety net lock").get(&key) == Some(&pod.uid) {
@@ -123,7 +146,7 @@ impl SafetyNet {
         let plan = match decide(&self.matcher.load(), &pod, &ns, Origin::SafetyNet { owner }, &self.excluded) {
             Decision::Skip(reason) => {
                 self.metrics.release.safety_net_skipped.with_label_values(&[reason.as_str()]).inc();
-                self.done.lock().expect("safety net lock").insert(key, pod.uid.clone());
+                self.remember(key, pod.uid.clone());
                 return Ok(Outcome::Skipped(reason.as_str()));
             }
             Decision::Hold(plan) => plan,
@@ -173,7 +196,7 @@ impl SafetyNet {
                 }
             }
         }
-        self.done.lock().expect("safety net lock").insert(key, pod.uid.clone());
+        self.remember(key, pod.uid.clone());
         Ok(Outcome::Held { new, lost: lost.len() })
     }
 

@@ -469,7 +469,8 @@ impl Ctx {
         match self.pods.get(namespace, name) {
             Some(p) if p.terminal() => self.queue.add(key),
             Some(p) if p.deleting => self.queue.add_after(key, self.settings.plan.settle.min(Duration::from_secs(2))),
-            _ => {}
+            Some(_) => {}
+            None => self.net.forget(namespace, name),
         }
     }
 
@@ -540,7 +541,10 @@ impl Ctx {
             tokio::select! {
                 e = rx.pods.recv() => match got(e) {
                     Some(Some(PodEvent::Changed { namespace, name })) => self.pod_changed(&namespace, &name),
-                    Some(_) => self.enqueue_everything(),
+                    Some(_) => {
+                        self.net.prune();
+                        self.enqueue_everything()
+                    }
                     None => return,
                 },
                 e = rx.namespaces.recv() => match got(e) {
