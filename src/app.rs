@@ -185,7 +185,7 @@ impl App {
             matcher.clone(),
             pods.clone(),
             namespaces.clone(),
-            HoldWriter::new(client.clone(), reservations),
+            HoldWriter::new(client.clone(), reservations).with_pods(pods.clone()),
             client.clone(),
             metrics.clone(),
             readiness.clone(),

@@ -218,6 +218,46 @@ async fn deleting_the_same_pod_twice_keeps_one_hold_and_the_first_reserved_at() 
 }
 
 #[tokio::test]
+async fn a_review_for_another_pod_never_replaces_the_hold_of_a_pod_that_still_has_the_ip() {
+    let (client, ns) = setup("hold-other").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("a", &[("app", "a")], &[]), &[ip]).await;
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "a" },
+        "spec": { "minAvailable": 1, "selector": { "matchLabels": { "app": "a" } } },
+    }))
+    .unwrap();
+    Api::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &pdb).await.unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    // Pod a's eviction is refused: a is held and still has the IP.
+    let held = eventually("a held on a refused eviction", Duration::from_secs(30), || async {
+        match pods.evict("a", &Default::default()).await {
+            Err(kube::Error::Api(s)) if s.code == 429 => {}
+            other => panic!("the budget refuses the eviction: {other:?}"),
+        }
+        record(&client, ip).await
+    })
+    .await;
+    assert_eq!(held.spec.pod.name, "a");
+    // Pod b gets the same address (a Pod may name a held address in
+    // cni.projectcalico.org/ipAddrs, and Calico assigns it) and is deleted.
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("b", &[("app", "b")], &[]), &[ip]).await;
+    eventually("capo's store to have b", Duration::from_secs(10), || async {
+        capo.pods.get(&ns.name, "b").map(|_| ())
+    })
+    .await;
+    delete_pod(&client, &ns.name, "b").await.expect("b's deletion allowed");
+    let after = record(&client, ip).await.expect("still held");
+    assert_eq!(after.spec.pod.name, "a", "b's review replaced the hold of a, which still has {ip}");
+    assert_eq!(after.metadata.uid, held.metadata.uid, "the same record");
+    assert_eq!(after.spec.reserved_at, held.spec.reserved_at);
+    assert!(policy_entries(&client, CalicoApiGroup::CrdV1, &policy).await.contains(&cidr(ip)), "{ip} still reserved");
+}
+
+#[tokio::test]
 async fn two_hundred_concurrent_deletions_are_all_held() {
     let (client, ns) = setup("hold-200").await;
     let capo = start_capo(&client, &[&ns.name], None).await;

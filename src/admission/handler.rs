@@ -25,7 +25,7 @@ use super::respond::{allow, deny};
 use crate::calico::shards;
 use crate::health::Readiness;
 use crate::hold::rule::{self, Origin};
-use crate::hold::{HoldError, HoldRequest, HoldWriter};
+use crate::hold::{HoldError, HoldRequest, HoldWriter, RecordOutcome};
 use crate::metrics::Metrics;
 use crate::pod::PodFacts;
 use crate::policy::{Decision, HoldPlan, SharedMatcher};
@@ -498,6 +498,14 @@ impl Admission {
                     trigger = kind.as_str(), new = created, "held"
                 );
                 let mut warnings = plan.warnings.clone();
+                for h in &held {
+                    if let RecordOutcome::HeldForOther { pod: other, .. } = &h.record {
+                        warnings.push(format!(
+                            "capo: {} is held for Pod {other}, which still has it; that hold is kept as it is",
+                            h.ip
+                        ));
+                    }
+                }
                 warnings.push(format!(
                     "capo: {} held in IPReservation {} for {} after the Pod is gone",
                     ips(pod),

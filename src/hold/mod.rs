@@ -48,7 +48,7 @@ pub struct Held {
 impl Held {
     /// Whether this request made the hold (rather than finding it in place).
     pub fn is_new(&self) -> bool {
-        !matches!(self.record, RecordOutcome::Kept { .. })
+        self.record.created_here()
     }
 }
 
@@ -96,6 +96,12 @@ pub struct HoldWriter {
 impl HoldWriter {
     pub fn new(client: Client, reservations: Reservations) -> Self {
         Self { reservations, records: Records::new(client), recent: Default::default() }
+    }
+
+    /// Never replaces the hold of a Pod the store shows still there with that IP.
+    pub fn with_pods(mut self, pods: Arc<crate::store::PodStore>) -> Self {
+        self.records = self.records.with_pods(pods);
+        self
     }
 
     pub fn calico_api(&self) -> capo_api::CalicoApiGroup {
@@ -222,7 +228,7 @@ impl HoldWriter {
         match (shard, outcome) {
             (Some((shard, entry_at)), Some(outcome)) => {
                 if shard != foreseen
-                    && !matches!(outcome, RecordOutcome::Kept { .. })
+                    && outcome.created_here()
                     && let Err(source) = self.records.moved(ip, outcome.uid(), &shard).await
                 {
                     let created = Some((ip, outcome.uid().to_string()));
@@ -231,8 +237,7 @@ impl HoldWriter {
                 Ok(Held { ip, reservation: shard, entry_at, record: outcome })
             }
             (_, outcome) => {
-                let created =
-                    outcome.filter(|o| !matches!(o, RecordOutcome::Kept { .. })).map(|o| (ip, o.uid().to_string()));
+                let created = outcome.filter(RecordOutcome::created_here).map(|o| (ip, o.uid().to_string()));
                 Err((errors, created))
             }
         }

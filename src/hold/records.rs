@@ -4,6 +4,7 @@
 //! `creationTimestamp` of its own (its countdown and its place in the cap's order).
 
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL};
 use capo_api::reserved_ip::record_name;
@@ -11,6 +12,8 @@ use capo_api::{ReservedIP, ReservedIPSpec};
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, Error as KubeError};
 use serde_json::json;
+
+use crate::store::PodStore;
 
 const ATTEMPTS: usize = 5;
 
@@ -22,12 +25,24 @@ pub enum RecordOutcome {
     Kept { uid: String },
     /// The IP was recorded for another Pod; a new record describes this one.
     Replaced { previous_pod: String, uid: String },
+    /// The IP is recorded for another Pod that still has it (an address a Pod named in
+    /// `cni.projectcalico.org/ipAddrs` while it was held): that hold stays as it was, and
+    /// the IP stays held by it.
+    HeldForOther { pod: String, uid: String },
 }
 
 impl RecordOutcome {
+    /// Whether this request wrote the record (rather than finding a hold in place).
+    pub fn created_here(&self) -> bool {
+        matches!(self, Self::Created { .. } | Self::Replaced { .. })
+    }
+
     pub fn uid(&self) -> &str {
         match self {
-            Self::Created { uid } | Self::Kept { uid } | Self::Replaced { uid, .. } => uid,
+            Self::Created { uid }
+            | Self::Kept { uid }
+            | Self::Replaced { uid, .. }
+            | Self::HeldForOther { uid, .. } => uid,
         }
     }
 }
@@ -55,11 +70,28 @@ fn classify(e: KubeError) -> RecordError {
 #[derive(Clone)]
 pub struct Records {
     api: Api<ReservedIP>,
+    /// The Pod store, to tell whether the Pod another record names still has its IP.
+    pods: Option<Arc<PodStore>>,
 }
 
 impl Records {
     pub fn new(client: Client) -> Self {
-        Self { api: Api::all(client) }
+        Self { api: Api::all(client), pods: None }
+    }
+
+    /// Never replaces a record whose Pod the store shows still there with that IP.
+    pub fn with_pods(mut self, pods: Arc<PodStore>) -> Self {
+        self.pods = Some(pods);
+        self
+    }
+
+    /// Whether the Pod `existing` names is still there (same uid) with `ip`.
+    fn holder_still_has(&self, existing: &ReservedIP, ip: IpAddr) -> bool {
+        let p = &existing.spec.pod;
+        self.pods
+            .as_ref()
+            .and_then(|pods| pods.get(&p.namespace, &p.name))
+            .is_some_and(|pod| !p.uid.is_empty() && pod.uid == p.uid && pod.ips.contains(&ip))
     }
 
     /// Records the hold of `ip` (the address `spec.ip` spells).
@@ -91,6 +123,12 @@ impl Records {
             };
             if existing.spec.pod.uid == fresh.spec.pod.uid {
                 return Ok(RecordOutcome::Kept { uid: existing.metadata.uid.unwrap_or_default() });
+            }
+            // Another Pod's, and that Pod still has the IP: a review for this Pod must not
+            // replace its hold (and so restart its countdown under this Pod's policy).
+            if self.holder_still_has(&existing, ip) {
+                let pod = format!("{}/{}", existing.spec.pod.namespace, existing.spec.pod.name);
+                return Ok(RecordOutcome::HeldForOther { pod, uid: existing.metadata.uid.unwrap_or_default() });
             }
             // Another Pod's: that hold is over (the IP is this Pod's now). Remove exactly
             // that record and create this one.

@@ -325,7 +325,7 @@ impl ReleaseEngine {
         }
         let reporter = Reporter { controller: "capo".into(), instance: Some(self.identity.clone()) };
         let recorder = Recorder::new(self.client.clone(), reporter);
-        let writer = HoldWriter::new(self.client.clone(), self.reservations.clone());
+        let writer = HoldWriter::new(self.client.clone(), self.reservations.clone()).with_pods(self.pods.clone());
         let ctx = Arc::new(Ctx {
             client: self.client.clone(),
             fence: fence.clone(),
