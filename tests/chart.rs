@@ -47,6 +47,8 @@ const EVERY_OPTION: &[&str] = &[
     "metrics.serviceMonitor.enabled=true,metrics.prometheusRule.enabled=true,metrics.grafanaDashboard.enabled=true",
     "--set",
     "certificates.mode=secret,webhook.excludedNamespaces={redis-system},webhook.failurePolicy=Fail",
+    "--set",
+    "networkPolicy.enabled=true",
 ];
 
 /// The RBAC objects of a rendering, by kind and name, with their rules.
@@ -149,6 +151,72 @@ fn the_calico_etcd_component_matches_the_charts_etcd_datastore() {
     assert_eq!(volume["secret"]["secretName"], "calico-etcd-secrets");
     let cm = find(&kustomize, "ConfigMap", "capo-calico-etcd");
     assert_eq!(cm["data"]["etcd_endpoints"], "https://10.0.0.1:2379");
+}
+
+/// `config/default` with `components` added, rendered by kustomize.
+fn kustomize_with(components: &[&str]) -> Vec<Value> {
+    let dir = std::env::temp_dir().join(format!("capo-overlay-np-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let up = "../".repeat(dir.components().count() - 1);
+    let rel = |p: &str| format!("{up}{}", repo(p).display().to_string().trim_start_matches('/'));
+    let overlay = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: capo-system\n\
+         resources: [{}]\ncomponents: [{}]\n",
+        rel("config/default"),
+        components.iter().map(|c| rel(c)).collect::<Vec<_>>().join(", ")
+    );
+    std::fs::write(dir.join("kustomization.yaml"), overlay).unwrap();
+    let rendered = run(Command::new("kubectl").args(["kustomize", dir.to_str().unwrap()]));
+    let _ = std::fs::remove_dir_all(&dir);
+    docs(&rendered)
+}
+
+#[test]
+fn the_network_policy_admits_the_webhook_and_metrics_ports_only_from_their_sources() {
+    let chart = docs(&template(&["--set", "networkPolicy.enabled=true"]));
+    let kustomize = kustomize_with(&["config/network-policy"]);
+    let (a, b) = (find(&chart, "NetworkPolicy", "capo"), find(&kustomize, "NetworkPolicy", "capo"));
+    assert_eq!(a["spec"]["ingress"], b["spec"]["ingress"], "the chart's defaults and the component agree");
+    assert_eq!(a["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    // It selects capo's Pods, and its named ports are the container's.
+    let pod = &find(&chart, "Deployment", "capo")["spec"]["template"];
+    for (k, v) in a["spec"]["podSelector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&pod["metadata"]["labels"][k], v, "the chart's policy selects capo's Pods");
+    }
+    let ports: Vec<&str> =
+        pod["spec"]["containers"][0]["ports"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    let kpod = &find(&kustomize, "Deployment", "capo")["spec"]["template"];
+    for (k, v) in b["spec"]["podSelector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&kpod["metadata"]["labels"][k], v, "the component's policy selects capo's Pods");
+    }
+    for rule in a["spec"]["ingress"].as_array().unwrap() {
+        let port = rule["ports"][0]["port"].as_str().unwrap();
+        assert!(ports.contains(&port), "{port} is a port of capo's container: {ports:?}");
+        assert!(!rule["from"].as_array().unwrap().is_empty(), "every rule names its sources (an empty from admits all)");
+    }
+    let from = |rule: usize| a["spec"]["ingress"][rule]["from"].clone();
+    assert_eq!(a["spec"]["ingress"][0]["ports"][0]["port"], "webhook");
+    assert_eq!(a["spec"]["ingress"][1]["ports"][0]["port"], "probes");
+    assert_eq!(from(1)[0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"], "monitoring");
+
+    // Narrowed to the API servers' addresses, and no metrics source: no rule admits all.
+    let narrowed = docs(&template(&[
+        "--set",
+        "networkPolicy.enabled=true,networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/24,networkPolicy.metricsFrom=null",
+    ]));
+    let np = find(&narrowed, "NetworkPolicy", "capo");
+    assert_eq!(np["spec"]["ingress"].as_array().unwrap().len(), 1, "no metrics rule: {np}");
+    assert_eq!(np["spec"]["ingress"][0]["from"], serde_json::json!([{ "ipBlock": { "cidr": "10.0.0.0/24" } }]));
+    // An empty webhookFrom would cut the API server off: refused with a clear message.
+    let out = Command::new(helm())
+        .args(["template", "capo", repo("charts/capo").to_str().unwrap()])
+        .args(["--set", "networkPolicy.enabled=true,networkPolicy.webhookFrom=null"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("networkPolicy.webhookFrom must list"));
+    // Off by default.
+    assert!(!docs(&template(&[])).iter().any(|d| d["kind"] == "NetworkPolicy"));
 }
 
 /// A file mode as YAML 1.1 writes it (a leading 0 is octal, as Kubernetes reads it) or as
