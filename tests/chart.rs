@@ -192,7 +192,10 @@ fn the_network_policy_admits_the_webhook_and_metrics_ports_only_from_their_sourc
     for rule in a["spec"]["ingress"].as_array().unwrap() {
         let port = rule["ports"][0]["port"].as_str().unwrap();
         assert!(ports.contains(&port), "{port} is a port of capo's container: {ports:?}");
-        assert!(!rule["from"].as_array().unwrap().is_empty(), "every rule names its sources (an empty from admits all)");
+        assert!(
+            !rule["from"].as_array().unwrap().is_empty(),
+            "every rule names its sources (an empty from admits all)"
+        );
     }
     let from = |rule: usize| a["spec"]["ingress"][rule]["from"].clone();
     assert_eq!(a["spec"]["ingress"][0]["ports"][0]["port"], "webhook");

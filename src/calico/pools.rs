@@ -82,8 +82,18 @@ impl Block {
     fn from_object(obj: &DynamicObject) -> Option<Self> {
         let spec = &obj.data["spec"];
         let cidr: IpNet = spec["cidr"].as_str()?.parse().ok()?;
-        let allocated =
-            spec["allocations"].as_array().map(|a| a.iter().map(|v| !v.is_null()).collect()).unwrap_or_default();
+        // An allocation whose attribute has `releasedAt` is in Calico's IP cooldown
+        // (`IPAMConfiguration.spec.ipCooldownSeconds`, Calico 3.33): its Pod is gone and
+        // IPAM hands it to no one until the cooldown ends, so it counts as free here.
+        let cooling = |v: &serde_json::Value| {
+            v.as_u64()
+                .and_then(|i| spec["attributes"].get(usize::try_from(i).ok()?))
+                .is_some_and(|a| a.get("releasedAt").is_some_and(|r| !r.is_null()))
+        };
+        let allocated = spec["allocations"]
+            .as_array()
+            .map(|a| a.iter().map(|v| !v.is_null() && !cooling(v)).collect())
+            .unwrap_or_default();
         Some(Self { cidr: cidr.trunc(), allocated })
     }
 
@@ -396,6 +406,24 @@ mod tests {
         assert!(!store.is_allocated("192.0.2.40".parse().unwrap()));
         assert_eq!(store.pool_of("192.0.2.40".parse().unwrap()).unwrap().name, "small");
         assert!(store.pool_of("10.0.0.1".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn an_allocation_in_calicos_ip_cooldown_counts_as_free() {
+        let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "", "IPAMBlock"), "ipamblocks");
+        let mut obj = DynamicObject::new("b", &ar);
+        obj.data = serde_json::json!({ "spec": {
+            "cidr": "192.0.2.0/30",
+            "allocations": [0, null, 1, 2],
+            "attributes": [
+                { "handle_id": "k8s-pod-network.a" },
+                { "handle_id": "k8s-pod-network.b", "releasedAt": "2026-11-26T10:00:00Z" },
+                { "handle_id": "k8s-pod-network.c", "releasedAt": null },
+            ],
+        }});
+        let block = Block::from_object(&obj).unwrap();
+        assert_eq!(block.allocated, vec![true, false, false, true], "ordinal 2 is cooling down: free");
+        assert_eq!(block.allocated(), 2);
     }
 
     #[test]
