@@ -142,8 +142,16 @@ where
     panic!("the API server never called the webhook for {ns}");
 }
 
+/// An address for the raw write measurements (no Pod has it).
+fn write_ip(n: usize) -> IpAddr {
+    format!("10.{}.{}.{}", 113 + n / 65536, (n / 256) % 256, n % 256).parse().unwrap()
+}
+
+/// An address in the test environment's disabled pool for hand-made addresses
+/// (198.19.0.0/16: capo holds only addresses in a Calico pool).
 fn ip(n: usize) -> IpAddr {
-    format!("10.{}.{}.{}", 100 + n / 65536, (n / 256) % 256, n % 256).parse().unwrap()
+    assert!(n < 65536, "198.19.0.0/16 has 65,536 addresses");
+    format!("198.19.{}.{}", n / 256, n % 256).parse().unwrap()
 }
 
 /// Creates Pods (unscheduled, so only this harness touches them) with an IP each.
@@ -336,7 +344,7 @@ async fn hold_writes(client: &Client, n: usize) -> (Stats, Stats, Stats) {
         let shards = shards.clone();
         async move {
             let patch: json_patch::Patch = serde_json::from_value(json!([
-                { "op": "add", "path": "/spec/reservedCIDRs/-", "value": format!("{}/32", ip(900_000 + i)) }
+                { "op": "add", "path": "/spec/reservedCIDRs/-", "value": format!("{}/32", write_ip(i)) }
             ]))
             .unwrap();
             shards.patch("capo-bench-writes", &PatchParams::default(), &Patch::<()>::Json(patch)).await.unwrap();
@@ -345,7 +353,7 @@ async fn hold_writes(client: &Client, n: usize) -> (Stats, Stats, Stats) {
     let record = |i: usize| {
         let records = records.clone();
         async move {
-            let ip = ip(900_000 + i);
+            let ip = write_ip(i);
             let r: capo_api::ReservedIP = serde_json::from_value(json!({
                 "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP",
                 "metadata": { "name": format!("bench-{i}"), "labels": { "capo-bench": "writes" } },

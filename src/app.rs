@@ -14,6 +14,7 @@ use tracing::info;
 
 use crate::admission::{Admission, AdmissionSettings};
 use crate::calico::etcd::{Etcd, EtcdConfig, EtcdError};
+use crate::calico::pools::{PoolStore, detect_ipam_api};
 use crate::calico::{Datastore, Detected, ReservationIndex, Reservations, detect_calico_api};
 use crate::certs::managed::{Injected, ManagedError, ManagedSettings};
 use crate::certs::{self, CertError, ServingCert};
@@ -115,6 +116,8 @@ pub struct App {
     pub matcher: SharedMatcher,
     /// The one Pod store (admission and leader).
     pub pods: Arc<PodStore>,
+    /// Calico's IP pools as the webhook sees them (None: not served here).
+    pub pools: Option<Arc<PoolStore>>,
     client: Client,
     registered: Option<String>,
     server: Option<WebhookServer>,
@@ -181,7 +184,8 @@ impl App {
         let restored = metrics.release.repairs.with_label_values(&["labels_restored"]);
         let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone())
             .counting_restores(restored.clone());
-        let admission = Arc::new(Admission::new(
+        let pools = watch_pools(&client, &calico, &mut tasks).await;
+        let admission = Admission::new(
             matcher.clone(),
             pods.clone(),
             namespaces.clone(),
@@ -193,7 +197,11 @@ impl App {
                 excluded_namespaces: settings.excluded_namespaces.clone(),
                 max_review_time: settings.max_review_time,
             },
-        ));
+        );
+        let admission = Arc::new(match &pools {
+            Some(pools) => admission.with_pools(pools.clone()),
+            None => admission,
+        });
         let router = crate::admission::router(admission);
         let server = WebhookServer::start(settings.webhook_addr, router, serving.clone()).await?;
         let webhook_addr = server.addr;
@@ -238,6 +246,7 @@ impl App {
             readiness,
             matcher,
             pods,
+            pools,
             client,
             registered,
             server: Some(server),
@@ -303,6 +312,20 @@ fn watch_reservations(
             }
         }
     }
+}
+
+/// Calico's IP pools, watched on every replica for the webhook (an address outside all
+/// of them is never held). `None` where Calico's pools are not served.
+async fn watch_pools(client: &Client, calico: &CalicoDatastore, tasks: &mut Tasks) -> Option<Arc<PoolStore>> {
+    let store = Arc::new(PoolStore::default());
+    match &calico.store {
+        Datastore::Etcd(etcd) => tasks.0.extend(store.watch_etcd_pools(etcd)),
+        Datastore::Kubernetes(_) => {
+            let api_version = detect_ipam_api(client).await?;
+            tasks.0.extend(store.watch_pools(client, &api_version));
+        }
+    }
+    Some(store)
 }
 
 async fn calico_datastore(

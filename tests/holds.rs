@@ -258,6 +258,42 @@ async fn a_review_for_another_pod_never_replaces_the_hold_of_a_pod_that_still_ha
 }
 
 #[tokio::test]
+async fn addresses_outside_every_calico_ip_pool_are_never_held() {
+    let (client, ns) = setup("hold-pools").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let pools = capo.pools.clone().expect("Calico's IP pools are served here");
+    eventually("capo to list Calico's IP pools", Duration::from_secs(30), || async {
+        pools.pools_listed().then_some(())
+    })
+    .await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    // The test environment's pools: 198.18.0.0/16 and 2001:2:0:1::/112 (IPAM's), and the
+    // disabled 198.19.0.0/16 and 2001:2::/64 its hand-made addresses come from. These two
+    // are in none (another IPAM's, or a status written by hand).
+    let (outside_v4, outside_v6): (IpAddr, IpAddr) = ("10.99.7.1".parse().unwrap(), "fd00:99::7".parse().unwrap());
+    let inside = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("mixed", &[], &[]), &[inside, outside_v6]).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("foreign", &[], &[]), &[outside_v4]).await;
+    for pod in ["mixed", "foreign"] {
+        eventually(&format!("capo's store to have {pod}"), Duration::from_secs(10), || async {
+            capo.pods.get(&ns.name, pod).map(|_| ())
+        })
+        .await;
+        delete_pod(&client, &ns.name, pod).await.expect("deletion allowed");
+    }
+    assert_held(&client, CalicoApiGroup::CrdV1, &policy, "mixed", &[inside], HoldTrigger::Delete).await;
+    assert_not_held(&client, &[outside_v4, outside_v6]).await;
+    let entries = policy_entries(&client, CalicoApiGroup::CrdV1, &policy).await;
+    assert_eq!(entries, vec![cidr(inside)], "only the address in a pool is reserved");
+    // (The API server may review one deletion more than once.)
+    let dropped = metric_value(&capo, "capo_admission_unconfirmed_total{reason=\"outside_pools\"}").unwrap_or(0.0);
+    assert!(dropped >= 2.0, "both outside addresses counted: {dropped}");
+    let answered = metric_value(&capo, "capo_admission_requests_total{operation=\"delete\",outcome=\"outside_pools\"}");
+    assert!(answered >= Some(1.0), "foreign's deletion answered outside_pools: {answered:?}");
+}
+
+#[tokio::test]
 async fn two_hundred_concurrent_deletions_are_all_held() {
     let (client, ns) = setup("hold-200").await;
     let capo = start_capo(&client, &[&ns.name], None).await;

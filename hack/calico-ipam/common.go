@@ -129,7 +129,9 @@ type pools struct {
 
 func (p *pools) register(fs *flag.FlagSet) {
 	// RFC 2544/5180 benchmarking ranges: nothing here is ever sent traffic. Tests pick
-	// hand-made addresses from 198.19.0.0/16 and 2001:2::/64, outside these pools.
+	// hand-made addresses from 198.19.0.0/16 and 2001:2::/64, outside these pools; those
+	// ranges are disabled pools (IPAM assigns nothing from them), so that every address a
+	// test Pod has is in a Calico pool, as on a real cluster.
 	fs.StringVar(&p.v4, "v4-pool", "198.18.0.0/16", "the IPv4 pool's CIDR (empty: none)")
 	fs.StringVar(&p.v6, "v6-pool", "2001:2:0:1::/112", "the IPv6 pool's CIDR (empty: none)")
 	fs.IntVar(&p.v4Block, "v4-block-size", 26, "IPv4 block size (Calico's default, 64 addresses)")
@@ -154,6 +156,25 @@ func (p *pools) ensure(ctx context.Context, c *calico) error {
 			VXLANMode:    apiv3.VXLANModeNever,
 			NodeSelector: "all()",
 			AllowedUses:  []apiv3.IPPoolAllowedUse{apiv3.IPPoolAllowedUseWorkload, apiv3.IPPoolAllowedUseTunnel},
+		}
+		_, err := c.client.IPPools().Create(ctx, obj, options.SetOptions{})
+		if err != nil && !isAlreadyExists(err) {
+			return fmt.Errorf("creating IPPool %s (%s): %w", pool.name, pool.cidr, err)
+		}
+	}
+	for _, pool := range []struct{ name, cidr string }{
+		{"capo-testenv-handmade-ipv4", "198.19.0.0/16"},
+		{"capo-testenv-handmade-ipv6", "2001:2::/64"},
+	} {
+		obj := apiv3.NewIPPool()
+		obj.Name = pool.name
+		obj.Spec = apiv3.IPPoolSpec{
+			CIDR:         pool.cidr,
+			Disabled:     true,
+			IPIPMode:     apiv3.IPIPModeNever,
+			VXLANMode:    apiv3.VXLANModeNever,
+			NodeSelector: "!all()",
+			AllowedUses:  []apiv3.IPPoolAllowedUse{apiv3.IPPoolAllowedUseWorkload},
 		}
 		_, err := c.client.IPPools().Create(ctx, obj, options.SetOptions{})
 		if err != nil && !isAlreadyExists(err) {

@@ -1,7 +1,7 @@
 //! The review endpoint: parse, decide, hold if the Pod is selected, answer.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 
 use super::deadline::budget;
 use super::respond::{allow, deny};
+use crate::calico::pools::PoolStore;
 use crate::calico::shards;
 use crate::health::Readiness;
 use crate::hold::rule::{self, Origin};
@@ -96,6 +97,8 @@ pub struct Admission {
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
     pub settings: AdmissionSettings,
+    /// Calico's IP pools: an address outside all of them is never held.
+    pools: Option<Arc<PoolStore>>,
     logged: LoggedOnce,
 }
 
@@ -112,7 +115,47 @@ impl Admission {
         readiness: Arc<Readiness>,
         settings: AdmissionSettings,
     ) -> Self {
-        Self { matcher, pods, namespaces, store, client, metrics, readiness, settings, logged: Default::default() }
+        Self {
+            matcher,
+            pods,
+            namespaces,
+            store,
+            client,
+            metrics,
+            readiness,
+            settings,
+            pools: None,
+            logged: Default::default(),
+        }
+    }
+
+    /// Holds only addresses inside one of Calico's IP pools, as `pools` shows them.
+    pub fn with_pools(mut self, pools: Arc<PoolStore>) -> Self {
+        self.pools = Some(pools);
+        self
+    }
+
+    /// Drops the addresses outside every Calico IP pool (another IPAM's, or a status no
+    /// CNI wrote): a reservation cannot keep them from anyone, and writing them would let
+    /// whoever sets a Pod's status fill capo's reservations. Counted and logged once.
+    fn within_pools(&self, mut pod: PodFacts, caller: Option<SocketAddr>) -> PodFacts {
+        let Some(pools) = &self.pools else { return pod };
+        let outside: Vec<IpAddr> =
+            pod.ips.iter().copied().filter(|ip| pools.outside_every_pool(*ip) == Some(true)).collect();
+        if outside.is_empty() {
+            return pod;
+        }
+        pod.ips.retain(|ip| !outside.contains(ip));
+        self.metrics.unconfirmed.with_label_values(&["outside_pools"]).inc_by(outside.len() as u64);
+        let key = (caller.map(|c| c.ip()), pod.namespace.clone(), pod.name.clone());
+        if self.logged.first(key) {
+            let list = outside.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+            warn!(
+                namespace = %pod.namespace, pod = %pod.name, ips = %list,
+                "addresses outside every Calico IP pool are not held"
+            );
+        }
+        pod
     }
 
     /// The admission path on its own: empty stores, an empty watched copy of the
@@ -323,6 +366,12 @@ impl Admission {
                 }
             },
         };
+        let had_ips = !pod.ips.is_empty();
+        let pod = self.within_pools(pod, caller);
+        if had_ips && pod.ips.is_empty() {
+            let msg = format!("capo: {}/{}: no address in a Calico IP pool; nothing held", namespace, pod.name);
+            return Ok((Some(kind), "outside_pools", allow(resp, vec![msg])));
+        }
         let ns = match self.namespace(&namespace, deadline).await {
             Ok(Some(ns)) => ns,
             Ok(None) => return Ok((Some(kind), "no_namespace", allow(resp, vec![]))),

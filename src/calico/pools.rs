@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
@@ -120,11 +121,18 @@ pub struct PoolStore {
     inner: RwLock<Inner>,
     events: broadcast::Sender<String>,
     synced: watch::Sender<u8>,
+    /// The pools have been listed at least once.
+    pools_listed: AtomicBool,
 }
 
 impl Default for PoolStore {
     fn default() -> Self {
-        Self { inner: Default::default(), events: broadcast::channel(1024).0, synced: watch::Sender::new(0) }
+        Self {
+            inner: Default::default(),
+            events: broadcast::channel(1024).0,
+            synced: watch::Sender::new(0),
+            pools_listed: AtomicBool::new(false),
+        }
     }
 }
 
@@ -138,6 +146,25 @@ enum Kind {
 impl PoolStore {
     pub fn pools(&self) -> Vec<Pool> {
         self.inner.read().expect("pool lock").pools.values().cloned().collect()
+    }
+
+    /// Whether the pools have been listed.
+    pub fn pools_listed(&self) -> bool {
+        self.pools_listed.load(Ordering::Acquire)
+    }
+
+    /// Whether `ip` is outside every pool (disabled ones included: a Pod keeps an address
+    /// from a pool disabled after it got it). `None` when that cannot be told: the pools
+    /// are not listed yet, or there are none.
+    pub fn outside_every_pool(&self, ip: IpAddr) -> Option<bool> {
+        if !self.pools_listed.load(Ordering::Acquire) {
+            return None;
+        }
+        let inner = self.inner.read().expect("pool lock");
+        if inner.pools.is_empty() {
+            return None;
+        }
+        Some(!inner.pools.values().any(|p| p.cidr.contains(&ip)))
     }
 
     /// The pool whose CIDR holds `ip`.
@@ -225,7 +252,8 @@ impl PoolStore {
             let mut inner = self.inner.write().expect("pool lock");
             match kind {
                 Kind::Pool => {
-                    inner.pools = objects.iter().filter_map(Pool::from_object).map(|p| (p.name.clone(), p)).collect()
+                    inner.pools = objects.iter().filter_map(Pool::from_object).map(|p| (p.name.clone(), p)).collect();
+                    self.pools_listed.store(true, Ordering::Release);
                 }
                 Kind::Block => {
                     inner.blocks = objects.iter().filter_map(|o| Some((o.name_any(), Block::from_object(o)?))).collect()
@@ -257,9 +285,28 @@ impl PoolStore {
     /// Keeps the store current from `group` (an API version serving `ippools` and
     /// `ipamblocks`) until the task is dropped.
     pub fn watch(self: &Arc<Self>, client: &Client, api_version: &str) -> Vec<tokio::task::JoinHandle<()>> {
+        self.watch_kinds(
+            client,
+            api_version,
+            &[(Kind::Pool, "IPPool", "ippools"), (Kind::Block, "IPAMBlock", "ipamblocks")],
+        )
+    }
+
+    /// Keeps the pools (not the blocks) current: what the webhook checks addresses against.
+    pub fn watch_pools(self: &Arc<Self>, client: &Client, api_version: &str) -> Vec<tokio::task::JoinHandle<()>> {
+        self.watch_kinds(client, api_version, &[(Kind::Pool, "IPPool", "ippools")])
+    }
+
+    fn watch_kinds(
+        self: &Arc<Self>,
+        client: &Client,
+        api_version: &str,
+        kinds: &[(Kind, &'static str, &'static str)],
+    ) -> Vec<tokio::task::JoinHandle<()>> {
         let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-        [(Kind::Pool, "IPPool", "ippools"), (Kind::Block, "IPAMBlock", "ipamblocks")]
-            .into_iter()
+        kinds
+            .iter()
+            .copied()
             .map(|(kind, k, plural)| {
                 let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, k), plural);
                 let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
@@ -295,8 +342,22 @@ impl PoolStore {
     /// `projectcalico.org/v3` objects, IPAM blocks as Calico IPAM stores them) until the
     /// tasks are dropped.
     pub fn watch_etcd(self: &Arc<Self>, etcd: &Etcd) -> Vec<tokio::task::JoinHandle<()>> {
-        [(Kind::Pool, ETCD_POOLS), (Kind::Block, ETCD_BLOCKS)]
-            .into_iter()
+        self.watch_etcd_kinds(etcd, &[(Kind::Pool, ETCD_POOLS), (Kind::Block, ETCD_BLOCKS)])
+    }
+
+    /// The pools (not the blocks) from Calico's etcd.
+    pub fn watch_etcd_pools(self: &Arc<Self>, etcd: &Etcd) -> Vec<tokio::task::JoinHandle<()>> {
+        self.watch_etcd_kinds(etcd, &[(Kind::Pool, ETCD_POOLS)])
+    }
+
+    fn watch_etcd_kinds(
+        self: &Arc<Self>,
+        etcd: &Etcd,
+        kinds: &[(Kind, &'static str)],
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        kinds
+            .iter()
+            .copied()
             .map(|(kind, prefix)| {
                 let store = self.clone();
                 let mut events = etcd.follow(prefix.to_string()).boxed();
