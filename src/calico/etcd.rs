@@ -55,6 +55,10 @@ pub enum EtcdError {
     NoCa,
     #[error("--etcd-cert-file and --etcd-key-file go together")]
     HalfClientCert,
+    #[error(
+        "etcd endpoint {0} is plain http:// while a client certificate is configured: it would be sent unencrypted to a server nobody verified; use https://"
+    )]
+    PlainWithClientCert(String),
     #[error("reading {what} {path}: {message}")]
     File { what: &'static str, path: PathBuf, message: String },
     #[error("TLS settings for etcd: {0}")]
@@ -216,6 +220,12 @@ impl Etcd {
         }
         if endpoints.iter().any(|e| e.starts_with("https://")) && config.ca_cert_file.is_none() {
             return Err(EtcdError::NoCa);
+        }
+        if config.cert_file.is_some()
+            && config.key_file.is_some()
+            && let Some(plain) = endpoints.iter().find(|e| e.starts_with("http://"))
+        {
+            return Err(EtcdError::PlainWithClientCert(plain.clone()));
         }
         let mut http = HttpConnector::new();
         http.enforce_http(false);
@@ -533,6 +543,15 @@ mod tests {
         assert!(Etcd::new(&cfg("http://127.0.0.1:2379")).is_ok());
         let half = EtcdConfig { cert_file: Some("/x".into()), ..cfg("http://127.0.0.1:2379") };
         assert!(matches!(Etcd::new(&half), Err(EtcdError::HalfClientCert)));
+        // A client certificate with a plain endpoint (one of several): refused, named.
+        let plain = EtcdConfig {
+            endpoints: vec!["https://10.0.0.1:2379".into(), "http://10.0.0.2:2379".into()],
+            ca_cert_file: Some("/x/ca.pem".into()),
+            cert_file: Some("/x/cert.pem".into()),
+            key_file: Some("/x/key.pem".into()),
+        };
+        let err = Etcd::new(&plain).err().unwrap();
+        assert!(matches!(&err, EtcdError::PlainWithClientCert(e) if e == "http://10.0.0.2:2379"), "{err}");
         let missing = EtcdConfig { ca_cert_file: Some("/nonexistent/ca.pem".into()), ..cfg("https://127.0.0.1:2379") };
         let err = Etcd::new(&missing).err().unwrap().to_string();
         assert!(err.contains("/nonexistent/ca.pem"), "{err}");
