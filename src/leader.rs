@@ -292,10 +292,24 @@ async fn watch_lease(api: Api<Lease>, settings: LeaderSettings, seen: Arc<Mutex<
     }
 }
 
-/// Records a read of the Lease; the clock restarts only if it changed.
+/// Whether `version` is older than `held` (both as the API server writes them for one
+/// object: etcd revisions, which only grow; anything else is not compared).
+fn older(version: Option<&str>, held: Option<&str>) -> bool {
+    match (version.and_then(|v| v.parse::<u64>().ok()), held.and_then(|h| h.parse::<u64>().ok())) {
+        (Some(v), Some(h)) => v < h,
+        _ => false,
+    }
+}
+
+/// Records a read of the Lease; the clock restarts only if it changed. A Lease older than
+/// the one already seen (a watch event delivered after this replica's own write) is
+/// ignored: it would make the holder look like someone else and step down for nothing.
 fn observe(seen: &Mutex<Seen>, lease: Option<Lease>) {
     let mut s = seen.lock().expect("lease lock");
     let version = lease.as_ref().and_then(|l| l.metadata.resource_version.clone());
+    if lease.is_some() && older(version.as_deref(), s.version().as_deref()) {
+        return;
+    }
     if version != s.version() || version.is_none() {
         s.changed_at = Instant::now();
     }
@@ -440,5 +454,33 @@ impl Campaign {
             Ok(_) => info!(identity = %self.settings.identity, "released the Lease"),
             Err(e) => warn!(error = %e, "could not release the Lease; it expires by itself"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(version: &str, holder: &str) -> Lease {
+        Lease {
+            metadata: ObjectMeta { resource_version: Some(version.into()), ..Default::default() },
+            spec: Some(LeaseSpec { holder_identity: Some(holder.into()), ..Default::default() }),
+        }
+    }
+
+    #[test]
+    fn a_lease_event_older_than_the_lease_held_does_not_replace_it() {
+        let seen = Mutex::new(Seen { lease: None, changed_at: Instant::now() });
+        observe(&seen, Some(lease("120", "b")));
+        // This replica's own write, then the watch's late event of the write before it.
+        observe(&seen, Some(lease("125", "a")));
+        observe(&seen, Some(lease("120", "b")));
+        assert_eq!(seen.lock().unwrap().holder(), Some("a"), "the older event is ignored");
+        observe(&seen, Some(lease("131", "c")));
+        assert_eq!(seen.lock().unwrap().holder(), Some("c"), "a newer one is taken");
+        // Versions that are not numbers are not compared: the event is taken.
+        observe(&seen, Some(lease("x", "d")));
+        assert_eq!(seen.lock().unwrap().holder(), Some("d"));
+        assert!(!older(Some("9"), Some("10x")) && older(Some("9"), Some("10")) && !older(None, Some("10")));
     }
 }
