@@ -246,8 +246,16 @@ impl HoldWriter {
     /// A hold that completed after its request was already denied (the deadline passed):
     /// takes back the records it created, so the denied deletion leaves no record.
     pub async fn take_back(&self, held: &[Held]) {
+        self.unremember(held);
         let created = held.iter().filter(|h| h.is_new()).map(|h| (h.ip, h.record.uid().to_string()));
         self.forget(created.collect()).await;
+    }
+
+    /// Forgets holds taken back: a retry of the denied request must write its hold again,
+    /// not be answered "held" from a record that is gone.
+    fn unremember(&self, held: &[Held]) {
+        let mut recent = self.recent.lock().expect("recent holds lock");
+        recent.retain(|(_, ip), r| !held.iter().any(|h| h.ip == *ip && h.record.uid() == r.record_uid));
     }
 
     async fn forget(&self, created: Vec<(IpAddr, String)>) {
@@ -256,5 +264,33 @@ impl HoldWriter {
                 tracing::warn!(%ip, error = %e, "could not take back the record of a failed hold");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_hold_taken_back_is_not_remembered_as_made() {
+        let writer = {
+            let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+            let client = Client::try_from(config).unwrap();
+            let reservations = Reservations::new(client.clone(), capo_api::CalicoApiGroup::CrdV1, Default::default());
+            HoldWriter::new(client, reservations)
+        };
+        let held = |ip: &str, uid: &str| Held {
+            ip: ip.parse().unwrap(),
+            reservation: "capo-p".into(),
+            entry_at: Some(0),
+            record: RecordOutcome::Created { uid: uid.into() },
+        };
+        writer.remember("pod-a", &[held("10.0.0.1", "r1"), held("10.0.0.2", "r2")]);
+        writer.remember("pod-b", &[held("10.0.0.3", "r3")]);
+        writer.unremember(&[held("10.0.0.1", "r1"), held("10.0.0.3", "other-record")]);
+        let recent = writer.recent.lock().unwrap();
+        let mut left: Vec<String> = recent.keys().map(|(pod, ip)| format!("{pod} {ip}")).collect();
+        left.sort();
+        assert_eq!(left, ["pod-a 10.0.0.2", "pod-b 10.0.0.3"], "only the hold taken back is forgotten");
     }
 }
