@@ -118,22 +118,11 @@ fn the_chart_and_kustomize_grant_the_same_rbac_and_register_the_same_webhooks() 
 /// (no rights on Calico's objects) and gives capo the same settings and mount.
 #[test]
 fn the_calico_etcd_component_matches_the_charts_etcd_datastore() {
-    let dir = std::env::temp_dir().join(format!("capo-overlay-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    // kustomize takes only relative paths to other directories.
-    let up = "../".repeat(dir.components().count() - 1);
-    let rel = |p: &str| format!("{up}{}", repo(p).display().to_string().trim_start_matches('/'));
-    let overlay = format!(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: capo-system\n\
-         resources: [{}]\ncomponents: [{}]\nconfigMapGenerator:\n\
-         - {{name: capo-calico-etcd, literals: [etcd_endpoints=https://10.0.0.1:2379], options: {{disableNameSuffixHash: true}}}}\n",
-        rel("config/default"),
-        rel("config/calico-etcd")
+    let kustomize = kustomize_with(
+        &["config/calico-etcd"],
+        "configMapGenerator:\n\
+         - {name: capo-calico-etcd, literals: [etcd_endpoints=https://10.0.0.1:2379], options: {disableNameSuffixHash: true}}\n",
     );
-    std::fs::write(dir.join("kustomization.yaml"), overlay).unwrap();
-    let rendered = run(Command::new("kubectl").args(["kustomize", dir.to_str().unwrap()]));
-    let _ = std::fs::remove_dir_all(&dir);
-    let kustomize = docs(&rendered);
     let chart = docs(&template(&["--set", "calico.datastore=etcdv3,calico.etcd.endpoints=https://10.0.0.1:2379"]));
     compare(&chart, &kustomize, "config/calico-etcd");
     assert!(!serde_json::to_string(&rbac(&kustomize)).unwrap().contains("projectcalico.org"));
@@ -153,15 +142,20 @@ fn the_calico_etcd_component_matches_the_charts_etcd_datastore() {
     assert_eq!(cm["data"]["etcd_endpoints"], "https://10.0.0.1:2379");
 }
 
-/// `config/default` with `components` added, rendered by kustomize.
-fn kustomize_with(components: &[&str]) -> Vec<Value> {
-    let dir = std::env::temp_dir().join(format!("capo-overlay-np-{}", std::process::id()));
+/// `config/default` with `components` (and the overlay lines `extra`) added, rendered by
+/// kustomize.
+fn kustomize_with(components: &[&str], extra: &str) -> Vec<Value> {
+    let dir = std::env::temp_dir().join(format!(
+        "capo-overlay-{}-{}",
+        std::process::id(),
+        components.join("-").replace('/', "_")
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let up = "../".repeat(dir.components().count() - 1);
     let rel = |p: &str| format!("{up}{}", repo(p).display().to_string().trim_start_matches('/'));
     let overlay = format!(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: capo-system\n\
-         resources: [{}]\ncomponents: [{}]\n",
+         resources: [{}]\ncomponents: [{}]\n{extra}",
         rel("config/default"),
         components.iter().map(|c| rel(c)).collect::<Vec<_>>().join(", ")
     );
@@ -174,7 +168,7 @@ fn kustomize_with(components: &[&str]) -> Vec<Value> {
 #[test]
 fn the_network_policy_admits_the_webhook_and_metrics_ports_only_from_their_sources() {
     let chart = docs(&template(&["--set", "networkPolicy.enabled=true"]));
-    let kustomize = kustomize_with(&["config/network-policy"]);
+    let kustomize = kustomize_with(&["config/network-policy"], "");
     let (a, b) = (find(&chart, "NetworkPolicy", "capo"), find(&kustomize, "NetworkPolicy", "capo"));
     assert_eq!(a["spec"]["ingress"], b["spec"]["ingress"], "the chart's defaults and the component agree");
     assert_eq!(a["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
