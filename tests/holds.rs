@@ -291,6 +291,18 @@ async fn addresses_outside_every_calico_ip_pool_are_never_held() {
     assert!(dropped >= 2.0, "both outside addresses counted: {dropped}");
     let answered = metric_value(&capo, "capo_admission_requests_total{operation=\"delete\",outcome=\"outside_pools\"}");
     assert!(answered >= Some(1.0), "foreign's deletion answered outside_pools: {answered:?}");
+    // A host-network Pod (its node's address, in no pool) is evicted, as a drain does: not
+    // held for being host-network, not reported as an address outside the pools.
+    let mut host = unscheduled_pod("host", &[], &[]);
+    host.spec.as_mut().unwrap().host_network = Some(true);
+    create_pod_with_ips(&client, &ns.name, host, &["10.99.7.2".parse().unwrap()]).await;
+    // (The store keeps no host-network Pod: capo reads it for the eviction.)
+    Api::<Pod>::namespaced(client.clone(), &ns.name).evict("host", &EvictParams::default()).await.expect("evicted");
+    let evictions = |outcome: &str| {
+        metric_value(&capo, &format!("capo_admission_requests_total{{operation=\"eviction\",outcome=\"{outcome}\"}}"))
+    };
+    assert!(evictions("skipped") >= Some(1.0), "the eviction was reviewed and skipped");
+    assert_eq!(evictions("outside_pools"), None, "a Pod capo would not hold is not checked against the pools");
 }
 
 #[tokio::test]

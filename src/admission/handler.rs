@@ -366,12 +366,6 @@ impl Admission {
                 }
             },
         };
-        let had_ips = !pod.ips.is_empty();
-        let pod = self.within_pools(pod, caller);
-        if had_ips && pod.ips.is_empty() {
-            let msg = format!("capo: {}/{}: no address in a Calico IP pool; nothing held", namespace, pod.name);
-            return Ok((Some(kind), "outside_pools", allow(resp, vec![msg])));
-        }
         let ns = match self.namespace(&namespace, deadline).await {
             Ok(Some(ns)) => ns,
             Ok(None) => return Ok((Some(kind), "no_namespace", allow(resp, vec![]))),
@@ -392,6 +386,14 @@ impl Admission {
             }
             Decision::Hold(plan) => plan,
         };
+        // Only for a Pod about to be held: an unselected or host-network Pod's addresses
+        // are nobody's concern here (a drain evicts those too).
+        let had_ips = !pod.ips.is_empty();
+        let pod = self.within_pools(pod, caller);
+        if had_ips && pod.ips.is_empty() {
+            let msg = format!("capo: {}/{}: no address in a Calico IP pool; nothing held", namespace, pod.name);
+            return Ok((Some(kind), "outside_pools", allow(resp, vec![msg])));
+        }
         if req.dry_run || (kind == PodOperation::Eviction && eviction_is_dry_run(req.object.as_ref())) {
             let mut warnings = plan.warnings.clone();
             let count = shards::count(plan.policy.max_reserved);
