@@ -311,7 +311,15 @@ async fn allow_all(client: &Client, ns: &str) -> (capo::server::WebhookServer, A
     let made = capo::certs::self_signed(&["127.0.0.1".to_string()]).unwrap();
     let serving = capo::certs::ServingCert::new(None);
     serving.set("the bench certificate", &made.cert_pem, &made.key_pem).unwrap();
-    let server = capo::server::WebhookServer::start("127.0.0.1:0".parse().unwrap(), router, serving).await.unwrap();
+    let server = capo::server::WebhookServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        router,
+        serving,
+        Default::default(),
+        capo::metrics::Metrics::new().connections,
+    )
+    .await
+    .unwrap();
     let reg = capo::webhook_config::Registration {
         name: "capo-bench-allow-all".into(),
         url: format!("https://{}", server.addr),

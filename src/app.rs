@@ -64,6 +64,8 @@ pub struct Settings {
     pub calico_etcd: Option<EtcdConfig>,
     pub excluded_namespaces: Vec<String>,
     pub max_review_time: Duration,
+    /// What one client may cost the webhook: connections, timeouts, reviews in flight.
+    pub limits: WebhookLimits,
     pub field_manager: String,
     /// How long to wait for the caches before giving up at start.
     pub sync_timeout: Duration,
@@ -72,6 +74,13 @@ pub struct Settings {
     /// How long a watch the admission decision depends on may fail before capo reports
     /// itself not ready (and answers reviews 503, so the failurePolicy applies).
     pub watch_failure_grace: Duration,
+}
+
+/// What one client may cost the webhook.
+#[derive(Clone, Debug, Default)]
+pub struct WebhookLimits {
+    pub connections: crate::server::ConnectionLimits,
+    pub reviews: crate::admission::ReviewLimits,
 }
 
 #[derive(Clone, Debug)]
@@ -196,6 +205,7 @@ impl App {
             AdmissionSettings {
                 excluded_namespaces: settings.excluded_namespaces.clone(),
                 max_review_time: settings.max_review_time,
+                limits: settings.limits.reviews.clone(),
             },
         );
         let admission = Arc::new(match &pools {
@@ -203,7 +213,14 @@ impl App {
             None => admission,
         });
         let router = crate::admission::router(admission);
-        let server = WebhookServer::start(settings.webhook_addr, router, serving.clone()).await?;
+        let server = WebhookServer::start(
+            settings.webhook_addr,
+            router,
+            serving.clone(),
+            settings.limits.connections.clone(),
+            metrics.connections.clone(),
+        )
+        .await?;
         let webhook_addr = server.addr;
         info!(addr = %webhook_addr, calico = %calico_api, "webhook serving");
 

@@ -7,11 +7,13 @@ use std::time::Duration;
 use capo_api::CalicoApiGroup;
 use clap::Parser;
 
-use crate::app::{ReleaseSettings, SelfRegister, Settings, TlsSource};
+use crate::admission::ReviewLimits;
+use crate::app::{ReleaseSettings, SelfRegister, Settings, TlsSource, WebhookLimits};
 use crate::calico::etcd::EtcdConfig;
 use crate::certs::managed::ManagedSettings;
 use crate::leader::LeaderSettings;
 use crate::release::{EngineSettings, PlanSettings};
+use crate::server::ConnectionLimits;
 
 /// `capo` runs the controller; its subcommands are the operator's tools (they use the
 /// current kubeconfig, like kubectl).
@@ -203,6 +205,26 @@ pub struct Args {
     #[arg(long, env = "CAPO_MAX_REVIEW_TIME", default_value = "10s")]
     pub max_review_time: capo_api::Duration,
 
+    /// How long a webhook client may take from connecting (TLS handshake included) to the
+    /// headers of its first request; a connection that sends nothing is closed after it.
+    #[arg(long, env = "CAPO_WEBHOOK_HEADER_TIMEOUT", default_value = "10s")]
+    pub webhook_header_timeout: capo_api::Duration,
+
+    /// A webhook connection with no request in flight for this long is closed.
+    #[arg(long, env = "CAPO_WEBHOOK_IDLE_TIMEOUT", default_value = "90s")]
+    pub webhook_idle_timeout: capo_api::Duration,
+
+    /// Webhook connections open at once; past it new connections are closed at once.
+    #[arg(long, env = "CAPO_WEBHOOK_MAX_CONNECTIONS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub webhook_max_connections: u32,
+
+    /// MiB of review bodies held at once, half for reviews up to 256 KiB and half for
+    /// larger ones; a review that finds no room is answered 429 at once.
+    #[arg(long, env = "CAPO_REVIEW_MEMORY_MIB", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(2..))]
+    pub review_memory_mib: u32,
+
     /// Log format: text or json.
     #[arg(long, env = "CAPO_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
@@ -351,6 +373,17 @@ impl Args {
             release: Some(self.release_settings(&excluded)?),
             excluded_namespaces: excluded,
             max_review_time: self.max_review_time.as_std(),
+            limits: WebhookLimits {
+                connections: ConnectionLimits {
+                    header_timeout: self.webhook_header_timeout.as_std(),
+                    idle_timeout: self.webhook_idle_timeout.as_std(),
+                    max_connections: self.webhook_max_connections as usize,
+                },
+                reviews: ReviewLimits {
+                    bytes_in_flight: (self.review_memory_mib as usize) << 20,
+                    ..Default::default()
+                },
+            },
             field_manager: "capo".into(),
             sync_timeout: Duration::from_secs(120),
             watch_failure_grace: self.watch_failure_grace.as_std(),

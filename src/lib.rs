@@ -21,4 +21,4 @@ pub mod store;
 pub mod telemetry;
 pub mod webhook_config;
 
-pub use app::{App, Settings};
+pub use app::{App, Settings, WebhookLimits};

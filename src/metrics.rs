@@ -44,6 +44,34 @@ pub struct Metrics {
     pub release: ReleaseMetrics,
     /// The webhook's certificates and TLS handshakes.
     pub tls: TlsMetrics,
+    /// The webhook's connections: open, and closed by capo's limits.
+    pub connections: ConnectionMetrics,
+}
+
+/// The webhook's connections (see [`crate::server::ConnectionLimits`]).
+#[derive(Clone)]
+pub struct ConnectionMetrics {
+    /// Connections open on the webhook port.
+    pub open: prometheus::IntGauge,
+    /// Connections capo closed on its own, by reason: `refused` (at the connection cap),
+    /// `header_timeout` (no request within the header timeout), `idle` (no request for the
+    /// idle timeout).
+    pub closed: IntCounterVec,
+}
+
+impl ConnectionMetrics {
+    fn new(registry: &Registry) -> Self {
+        let open = prometheus::IntGauge::new("webhook_connections_open", "Connections open on the webhook port.")
+            .expect("static metric");
+        registry.register(Box::new(open.clone())).expect("unique metric");
+        let closed = IntCounterVec::new(
+            Opts::new("webhook_connections_closed_total", "Webhook connections capo closed on its own, by reason."),
+            &["reason"],
+        )
+        .expect("static metric");
+        registry.register(Box::new(closed.clone())).expect("unique metric");
+        Self { open, closed }
+    }
 }
 
 /// The webhook's certificates: what is served, handshakes, rotations, the CA bundle.
@@ -381,9 +409,11 @@ impl Metrics {
         registry.register(Box::new(pod_events.clone())).expect("unique metric");
         let release = ReleaseMetrics::new(&registry);
         let tls = TlsMetrics::new(&registry);
+        let connections = ConnectionMetrics::new(&registry);
         Self {
             release,
             tls,
+            connections,
             registry,
             admission_requests,
             admission_duration,

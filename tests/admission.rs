@@ -87,6 +87,7 @@ fn direct_router(
         capo::admission::AdmissionSettings {
             excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
             max_review_time: Duration::from_secs(10),
+            limits: Default::default(),
         },
     );
     let metrics = admission.metrics.clone();

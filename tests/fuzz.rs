@@ -119,6 +119,7 @@ fn fixture() -> &'static Fixture {
                 capo::admission::AdmissionSettings {
                     excluded_namespaces: vec!["kube-system".into()],
                     max_review_time: Duration::from_secs(5),
+                    limits: Default::default(),
                 },
             );
             for (name, labels, terminating) in [

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Extension, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use capo_api::{HoldFailureAction, HoldTrigger};
@@ -16,12 +16,14 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::Client;
 use kube::api::Api;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
-use kube::core::{DynamicObject, PartialObjectMeta};
+use kube::core::PartialObjectMeta;
+use kube::core::admission::AdmissionResponse;
 use tracing::{debug, info, warn};
 
 use super::deadline::budget;
+use super::intake::{Intake, ReviewLimits};
 use super::respond::{allow, deny};
+use super::review::{self, ClaimedPod, ReviewRequest};
 use crate::calico::pools::PoolStore;
 use crate::calico::shards;
 use crate::health::Readiness;
@@ -38,6 +40,8 @@ pub struct AdmissionSettings {
     pub excluded_namespaces: Vec<String>,
     /// The most time spent on one review, whatever the API server allows.
     pub max_review_time: Duration,
+    /// The bytes of reviews in flight, and load shedding past them.
+    pub limits: ReviewLimits,
 }
 
 /// The address a review came from (the webhook server puts it on each request).
@@ -100,6 +104,7 @@ pub struct Admission {
     /// Calico's IP pools: an address outside all of them is never held.
     pools: Option<Arc<PoolStore>>,
     logged: LoggedOnce,
+    intake: Intake,
 }
 
 impl Admission {
@@ -123,6 +128,7 @@ impl Admission {
             client,
             metrics,
             readiness,
+            intake: Intake::new(&settings.limits),
             settings,
             pools: None,
             logged: Default::default(),
@@ -228,15 +234,16 @@ fn bad_request(message: String) -> Response {
 
 /// The largest AdmissionReview capo reads: a Pod and its old version are each at most
 /// about 1.5 MiB (etcd's object limit).
-const MAX_REVIEW_BYTES: usize = 4 << 20;
+pub(super) const MAX_REVIEW_BYTES: usize = 4 << 20;
 /// Past the limit the rest of the body is still read (and dropped), up to this much, so
 /// the client gets the 413 and its reason instead of a reset connection.
 const MAX_DRAIN_BYTES: usize = 64 << 20;
 
-/// Reads the request body, or answers 413 when it is larger than any AdmissionReview.
-async fn read_review(body: Body) -> Result<Bytes, Response> {
+/// Reads the request body (`length`: as announced), or answers 413 when it is larger than
+/// any AdmissionReview.
+async fn read_review(body: Body, length: Option<usize>) -> Result<Bytes, Response> {
     let mut stream = body.into_data_stream();
-    let mut buf = Vec::new();
+    let mut buf = Vec::with_capacity(length.unwrap_or(0).min(MAX_REVIEW_BYTES));
     let mut total = 0usize;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| bad_request(format!("reading the AdmissionReview: {e}")))?;
@@ -255,48 +262,47 @@ async fn read_review(body: Body) -> Result<Bytes, Response> {
     Ok(Bytes::from(buf))
 }
 
-/// `kubectl drain --dry-run=server` sends Evictions whose body says `dryRun` while the
-/// admission request itself does not.
-fn eviction_is_dry_run(eviction: Option<&DynamicObject>) -> bool {
-    eviction
-        .and_then(|e| e.data.pointer("/deleteOptions/dryRun"))
-        .and_then(|v| v.as_array())
-        .is_some_and(|a| !a.is_empty())
-}
-
 async fn serve(
     State(adm): State<Arc<Admission>>,
     Query(query): Query<HashMap<String, String>>,
     caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
     let started = Instant::now();
-    let body = match read_review(body).await {
-        Ok(b) => b,
-        Err(too_large) => {
+    let deadline = started + budget(query.get("timeout").map(String::as_str), adm.settings.max_review_time);
+    let length =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+    // A body announced larger than any review is drained unbuffered for its 413; every
+    // other takes its room first, or is shed at once.
+    let _room = match length {
+        Some(n) if n > MAX_REVIEW_BYTES => None,
+        _ => match adm.intake.admit(length) {
+            Ok(room) => Some(room),
+            Err(busy) => {
+                adm.metrics.admission_requests.with_label_values(&["unknown", "shed"]).inc();
+                debug!(lane = busy.lane, in_flight_kib = busy.in_flight, "review shed");
+                return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], busy.to_string()).into_response();
+            }
+        },
+    };
+    let body = match tokio::time::timeout_at(deadline.into(), read_review(body, length)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(too_large)) => {
             adm.metrics.admission_requests.with_label_values(&["unknown", "too_large"]).inc();
             return too_large;
         }
-    };
-    let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
-            return bad_request(format!("malformed AdmissionReview: {e}"));
+        Err(_) => {
+            adm.metrics.admission_requests.with_label_values(&["unknown", "body_timeout"]).inc();
+            let message = format!("the AdmissionReview's body did not arrive within {:?}", deadline - started);
+            return (StatusCode::REQUEST_TIMEOUT, message).into_response();
         }
     };
-    if review.types.kind != "AdmissionReview" || review.types.api_version != "admission.k8s.io/v1" {
-        adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
-        return bad_request(format!(
-            "malformed AdmissionReview: apiVersion {:?} kind {:?}; capo answers admission.k8s.io/v1 AdmissionReview",
-            review.types.api_version, review.types.kind
-        ));
-    }
-    let request: AdmissionRequest<DynamicObject> = match review.try_into() {
+    let request = match review::parse(&body) {
         Ok(r) => r,
         Err(e) => {
             adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
-            return bad_request(format!("malformed AdmissionReview: {e}"));
+            return bad_request(e.to_string());
         }
     };
     if !adm.readiness.is_ready() {
@@ -306,7 +312,6 @@ async fn serve(
         let missing = adm.readiness.missing().join(", ");
         return (StatusCode::SERVICE_UNAVAILABLE, format!("capo is starting: waiting for {missing}")).into_response();
     }
-    let deadline = started + budget(query.get("timeout").map(String::as_str), adm.settings.max_review_time);
     let caller = caller.map(|Extension(Caller(addr))| addr);
     let (kind, outcome, response) = match adm.review(&request, deadline, caller).await {
         Ok(r) => r,
@@ -321,18 +326,27 @@ async fn serve(
     axum::Json(response.into_review()).into_response()
 }
 
+/// An answer to `req`: allowed, no warnings, until said otherwise.
+fn response_to(req: &ReviewRequest<'_>) -> AdmissionResponse {
+    let mut resp = AdmissionResponse::invalid("");
+    resp.types = kube::core::TypeMeta { api_version: review::API_VERSION.into(), kind: review::KIND.into() };
+    resp.uid = req.uid.clone();
+    resp.result = Default::default();
+    allow(resp, vec![])
+}
+
 impl Admission {
     /// `Err` only for a request that is not a well-formed review of what capo handles.
     async fn review(
         &self,
-        req: &AdmissionRequest<DynamicObject>,
+        req: &ReviewRequest<'_>,
         deadline: Instant,
         caller: Option<SocketAddr>,
     ) -> Result<(Option<PodOperation>, &'static str, AdmissionResponse), String> {
-        let resp = AdmissionResponse::from(req);
-        let kind = match (&req.operation, req.sub_resource.as_deref(), req.resource.resource.as_str()) {
-            (Operation::Delete, None | Some(""), "pods") => PodOperation::Delete,
-            (Operation::Create, Some("eviction"), "pods") => PodOperation::Eviction,
+        let resp = response_to(req);
+        let kind = match (req.operation.as_str(), req.sub_resource.as_deref(), req.resource.as_str()) {
+            ("DELETE", None, "pods") => PodOperation::Delete,
+            ("CREATE", Some("eviction"), "pods") => PodOperation::Eviction,
             // Not something capo registers for; never stand in the way.
             _ => return Ok((None, "ignored", allow(resp, vec![]))),
         };
@@ -343,9 +357,8 @@ impl Admission {
         }
         let pod = match kind {
             PodOperation::Delete => {
-                let old = req.old_object.as_ref().ok_or("a Pod DELETE review without oldObject")?;
-                let value = serde_json::to_value(old).map_err(|e| format!("oldObject: {e}"))?;
-                let claimed = PodFacts::from_json(&value).map_err(|e| format!("oldObject: {e}"))?;
+                let old = req.old_object.ok_or("a Pod DELETE review without oldObject")?;
+                let claimed = ClaimedPod::parse(old).map_err(|e| format!("oldObject: not a Pod object: {e}"))?;
                 match self.confirm(&namespace, &req.name, &claimed, deadline).await {
                     Ok(pod) => pod,
                     Err(why) => {
@@ -377,7 +390,7 @@ impl Admission {
                 return Ok((Some(kind), "namespace_unreadable", allow(resp, vec![msg])));
             }
         };
-        let origin = Origin::Request { user: req.user_info.username.as_deref() };
+        let origin = Origin::Request { user: req.username.as_deref() };
         let plan = match rule::decide(&self.matcher.load(), &pod, &ns, origin, &self.settings.excluded_namespaces) {
             Decision::Skip(reason) => {
                 self.metrics.skipped.with_label_values(&[reason.as_str()]).inc();
@@ -394,7 +407,7 @@ impl Admission {
             let msg = format!("capo: {}/{}: no address in a Calico IP pool; nothing held", namespace, pod.name);
             return Ok((Some(kind), "outside_pools", allow(resp, vec![msg])));
         }
-        if req.dry_run || (kind == PodOperation::Eviction && eviction_is_dry_run(req.object.as_ref())) {
+        if req.dry_run || (kind == PodOperation::Eviction && req.eviction_dry_run) {
             let mut warnings = plan.warnings.clone();
             let count = shards::count(plan.policy.max_reserved);
             let mut to: Vec<String> = pod
@@ -419,7 +432,7 @@ impl Admission {
         &self,
         namespace: &str,
         name: &str,
-        claimed: &PodFacts,
+        claimed: &ClaimedPod,
         deadline: Instant,
     ) -> Result<PodFacts, Unconfirmed> {
         // A DeleteCollection (the namespace controller's) is reviewed Pod by Pod with no
@@ -451,13 +464,13 @@ impl Admission {
     }
 
     /// Counts a review the cluster did not confirm, and logs it once per caller and Pod.
-    fn unconfirmed(&self, why: Unconfirmed, claimed: &PodFacts, caller: Option<SocketAddr>) {
+    fn unconfirmed(&self, why: Unconfirmed, claimed: &ClaimedPod, caller: Option<SocketAddr>) {
         self.metrics.unconfirmed.with_label_values(&[why.reason()]).inc();
         let key = (caller.map(|c| c.ip()), claimed.namespace.clone(), claimed.name.clone());
         if self.logged.first(key) {
             let caller = caller.map_or_else(|| "unknown".to_string(), |c| c.to_string());
             warn!(
-                %caller, namespace = %claimed.namespace, pod = %claimed.name, uid = %claimed.uid, ips = %ips(claimed),
+                %caller, namespace = %claimed.namespace, pod = %claimed.name, uid = %claimed.uid, ips = %list(&claimed.ips),
                 reason = why.reason(), detail = %why,
                 "a DELETE review names a Pod the cluster does not confirm: allowed, nothing held"
             );
@@ -607,7 +620,11 @@ async fn within<T>(
 }
 
 fn ips(pod: &PodFacts) -> String {
-    pod.ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    list(&pod.ips)
+}
+
+fn list(ips: &[IpAddr]) -> String {
+    ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }
 
 /// The reservations a hold went to, as one name or a list.

@@ -6,7 +6,10 @@
 
 mod deadline;
 mod handler;
+mod intake;
 mod respond;
+mod review;
 
 pub use deadline::budget;
 pub use handler::{Admission, AdmissionSettings, Caller, REVIEW_PATH, router};
+pub use intake::{LARGE_REVIEW_BYTES, ReviewLimits};

@@ -201,6 +201,7 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
         calico_etcd: None,
         excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
         max_review_time: Duration::from_secs(10),
+        limits: Default::default(),
         field_manager: "capo".into(),
         sync_timeout: Duration::from_secs(60),
         release: None,
@@ -500,6 +501,7 @@ pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings 
         calico_etcd: None,
         excluded_namespaces: vec!["capo-system".into(), "kube-system".into()],
         max_review_time: Duration::from_secs(10),
+        limits: Default::default(),
         field_manager: "capo".into(),
         sync_timeout: Duration::from_secs(60),
         release: Some(capo::app::ReleaseSettings {
