@@ -105,6 +105,11 @@ fn the_chart_and_kustomize_grant_the_same_rbac_and_register_the_same_webhooks() 
         names,
         ["ClusterRole/capo", "ClusterRole/capo-ca-injector", "Role/capo-certificates", "Role/capo-leader-election"]
     );
+    let without_policy = docs(&template(&["--set", "podMarksPolicy.enabled=false"]));
+    assert!(
+        !without_policy.iter().any(|d| d["kind"].as_str().is_some_and(|k| k.starts_with("ValidatingAdmissionPolicy"))),
+        "podMarksPolicy.enabled=false ships no policy"
+    );
     let cert_manager = rbac(&docs(&template(&["--set", "certificates.mode=cert-manager"])));
     assert_eq!(
         cert_manager.len(),
@@ -281,6 +286,10 @@ fn capos_user_can_read_calicos_etcd_key_and_nobody_else_can() {
 
 fn compare(chart: &[Value], kustomize: &[Value], overlay: &str) {
     assert_eq!(rbac(chart), rbac(kustomize), "the chart and {overlay} grant the same rights");
+    for kind in ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] {
+        let (a, b) = (find(chart, kind, "capo-pod-marks-only"), find(kustomize, kind, "capo-pod-marks-only"));
+        assert_eq!(a["spec"], b["spec"], "{overlay}: the same {kind}");
+    }
     let (chart, kustomize) = (chart.to_vec(), kustomize.to_vec());
     let (a, b) = (
         find(&chart, "ValidatingWebhookConfiguration", "capo"),

@@ -137,6 +137,7 @@ async fn capos_service_account_has_least_privilege() {
         &["get", "secrets/capo-webhook-tls", "-n", "kube-system"],
         &["patch", "leases.coordination.k8s.io", "-n", "kube-system"],
         &["update", "capopolicies.capo.io"],
+        &["update", "reservedips.capo.io"],
         &["create", "validatingwebhookconfigurations.admissionregistration.k8s.io"],
         &["patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/other"],
         &["delete", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
@@ -231,4 +232,138 @@ async fn the_installed_manifests_work_as_they_are_and_show_no_drift() {
     let _ = std::fs::remove_file(&file);
     let (ok, out) = kubectl(&["delete", "validatingwebhookconfiguration", "capo", "--ignore-not-found"], None).await;
     assert!(ok, "{out}");
+}
+
+/// The rights table of docs/install.md, one `scope|group|resource|name|verb` per right.
+fn documented_rights() -> std::collections::BTreeSet<String> {
+    let doc = std::fs::read_to_string(repo("docs/install.md")).unwrap();
+    let table = doc.split("<!-- rights:begin -->").nth(1).unwrap().split("<!-- rights:end -->").next().unwrap();
+    let mut rights = std::collections::BTreeSet::new();
+    for row in table.lines().filter(|l| l.starts_with('|')).skip(2) {
+        let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+        let (scope, groups, resources, verbs) = (cells[0], cells[1], cells[2], cells[3]);
+        let (resources, name) = match resources.split_once(" (") {
+            Some((r, n)) => (r, n.trim_end_matches(')')),
+            None => (resources, ""),
+        };
+        for group in groups.split(", ") {
+            let group = if group == "core" { "" } else { group };
+            for resource in resources.split(", ") {
+                for verb in verbs.split(", ") {
+                    rights.insert(format!("{scope}|{group}|{resource}|{name}|{verb}"));
+                }
+            }
+        }
+    }
+    rights
+}
+
+/// The rights the ClusterRoles and Roles of `deploy/capo.yaml` grant, the same way.
+fn manifest_rights() -> std::collections::BTreeSet<String> {
+    let deploy = std::fs::read_to_string(repo("deploy/capo.yaml")).unwrap();
+    let mut rights = std::collections::BTreeSet::new();
+    for doc in deploy.split("\n---\n") {
+        let Ok(obj) = serde_saphyr::from_str::<serde_json::Value>(doc) else { continue };
+        let scope = match obj["kind"].as_str() {
+            Some("ClusterRole") => "cluster",
+            Some("Role") => "capo's namespace",
+            _ => continue,
+        };
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array().map(|a| a.iter().map(|s| s.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+        };
+        for rule in obj["rules"].as_array().unwrap() {
+            let names = strings(&rule["resourceNames"]);
+            let names = if names.is_empty() { vec![String::new()] } else { names };
+            for group in strings(&rule["apiGroups"]) {
+                for resource in strings(&rule["resources"]) {
+                    for name in &names {
+                        for verb in strings(&rule["verbs"]) {
+                            rights.insert(format!("{scope}|{group}|{resource}|{name}|{verb}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    rights
+}
+
+/// docs/install.md lists capo's rights in a table: exactly those the manifests grant.
+#[test]
+fn the_rights_in_the_docs_are_the_rights_in_the_manifests() {
+    let (documented, granted) = (documented_rights(), manifest_rights());
+    assert!(granted.len() > 20, "{granted:?}");
+    let undocumented: Vec<_> = granted.difference(&documented).collect();
+    let not_granted: Vec<_> = documented.difference(&granted).collect();
+    assert!(
+        undocumented.is_empty() && not_granted.is_empty(),
+        "granted but not in docs/install.md: {undocumented:?}; in docs/install.md but not granted: {not_granted:?}"
+    );
+}
+
+/// `patch pods` is cluster-wide; the ValidatingAdmissionPolicy of the manifests leaves
+/// capo's ServiceAccount nothing of a Pod to change but its two marks.
+#[tokio::test]
+async fn capos_service_account_may_change_nothing_of_a_pod_but_its_marks() {
+    let client = setup().await;
+    let _one = INSTALLED.lock().await;
+    apply_rbac().await;
+    let deploy = std::fs::read_to_string(repo("deploy/capo.yaml")).unwrap();
+    let policy: Vec<&str> = deploy
+        .split("\n---\n")
+        .filter(|doc| {
+            doc.contains("\nkind: ValidatingAdmissionPolicy\n")
+                || doc.contains("\nkind: ValidatingAdmissionPolicyBinding\n")
+        })
+        .collect();
+    assert_eq!(policy.len(), 2, "the policy and its binding are in deploy/capo.yaml");
+    let (ok, out) =
+        kubectl(&["apply", "--server-side", "--force-conflicts", "-f", "-"], Some(&policy.join("\n---\n"))).await;
+    assert!(ok, "{out}");
+    let ns = TestNamespace::create(&client, "marks-only").await;
+    let pod =
+        create_pod_with_ips(&client, &ns.name, unscheduled_pod("zk-0", &[("app", "zk")], &[]), &[Ips::v4()]).await;
+    let uid = pod.uid().unwrap();
+    let as_capo = as_capo_service_account().await;
+    let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(as_capo, &ns.name);
+    // Strategic merge patches, as kubectl sends them (only what is named changes).
+    let patch_with = |p: serde_json::Value, params: kube::api::PatchParams| {
+        let pods = pods.clone();
+        async move { pods.patch("zk-0", &params, &kube::api::Patch::Strategic(p)).await }
+    };
+    let patch = |p: serde_json::Value| patch_with(p, kube::api::PatchParams::default());
+    let image = json!({ "spec": { "containers": [{ "name": "app", "image": "evil:latest" }] } });
+    // The policy reaches the API server's admission chain asynchronously: wait with dry
+    // runs (admission runs, nothing is stored).
+    eventually("the policy in force", std::time::Duration::from_secs(30), || async {
+        patch_with(image.clone(), kube::api::PatchParams::default().dry_run()).await.is_err().then_some(())
+    })
+    .await;
+    let refused = match patch(image).await {
+        Err(kube::Error::Api(s)) => s.message,
+        other => panic!("an image change by capo's ServiceAccount: {other:?}"),
+    };
+    assert!(refused.contains("capo-pod-marks-only") && refused.contains("spec"), "{refused}");
+    for (what, change) in [
+        ("a label", json!({ "metadata": { "labels": { "app": "other" } } })),
+        ("another annotation", json!({ "metadata": { "annotations": { "team": "x" } } })),
+        ("a finalizer", json!({ "metadata": { "finalizers": ["example.com/keep"] } })),
+    ] {
+        let e = patch(change).await.expect_err(what);
+        assert!(e.to_string().contains("capo-pod-marks-only"), "{what}: {e}");
+    }
+    // capo's own marks, as src/hold/marks.rs writes them (the uid as precondition).
+    let mark = capo::hold::marks::value(&uid, "released");
+    patch(json!({ "metadata": { "uid": uid, "annotations": { "capo.io/released": mark } } })).await.expect("a mark");
+    patch(json!({ "metadata": { "uid": uid, "annotations": { "capo.io/not-held": "x" } } })).await.expect("a mark");
+    let now = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &ns.name).get("zk-0").await.unwrap();
+    assert_eq!(now.annotations().get("capo.io/released"), Some(&mark));
+    assert_eq!(now.labels().get("app").map(String::as_str), Some("zk"));
+    assert_ne!(now.spec.unwrap().containers[0].image.as_deref(), Some("evil:latest"));
+    // Everyone else is untouched by the policy: the admin changes a label.
+    Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &ns.name)
+        .patch("zk-0", &Default::default(), &kube::api::Patch::Merge(json!({ "metadata": { "labels": { "x": "y" } } })))
+        .await
+        .expect("the admin is not bound by capo's policy");
 }
