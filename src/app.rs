@@ -137,6 +137,7 @@ pub struct App {
     /// Whether this replica may do leader-only work now (None: it never does).
     pub fence: Option<Fence>,
     _cert_watcher: Option<notify::RecommendedWatcher>,
+    _etcd_certificates: Option<notify::RecommendedWatcher>,
 }
 
 impl App {
@@ -272,6 +273,7 @@ impl App {
             election,
             fence,
             _cert_watcher: cert_watcher,
+            _etcd_certificates: calico.certificates,
         })
     }
 
@@ -301,6 +303,8 @@ struct CalicoDatastore {
     /// For the leader's writes (its client has no retry layer).
     leader_store: Datastore,
     detected: Detected,
+    /// Reloads Calico's etcd certificates when their files change (etcd only).
+    certificates: Option<notify::RecommendedWatcher>,
 }
 
 impl CalicoDatastore {
@@ -354,16 +358,19 @@ async fn calico_datastore(
         Some(config) => {
             let etcd = Etcd::new(config)?;
             info!(endpoints = %etcd.endpoints(), "Calico's datastore: etcd");
+            let certificates = etcd.reload_on_change(config)?;
             CalicoDatastore {
                 store: Datastore::Etcd(etcd.clone()),
                 leader_store: Datastore::Etcd(etcd),
                 detected: Detected::only(CalicoApiGroup::V3),
+                certificates,
             }
         }
         None => CalicoDatastore {
             store: Datastore::Kubernetes(client.clone()),
             leader_store: Datastore::Kubernetes(leader_client.clone()),
             detected: detect_calico_api(client, settings.calico_api).await,
+            certificates: None,
         },
     })
 }

@@ -407,3 +407,48 @@ async fn concurrent_appends_and_removals_in_etcd_lose_nothing() {
     assert_eq!(got, want, "the 300 appended entries, each once, and none of the removed 100");
     assert_eq!(value["metadata"]["annotations"]["capo.io/leader-epoch"], "7", "the leader's epoch fences the shard");
 }
+
+/// Calico's etcd certificates are reloaded when their files change, as kubelet updates a
+/// mounted Secret: a client that starts with a certificate etcd does not trust is refused;
+/// once the right certificate and key are renamed into place it is answered, without a
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_etcd_client_certificates_are_used_without_a_restart() {
+    use capo::calico::etcd::Etcd;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let plane = private_plane_with("etcd-reload", false, Calico::Etcd);
+    let real = plane.calico_etcd.clone().unwrap();
+    let dir = std::env::temp_dir().join(format!("capo-etcd-reload-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ca, cert, key) = (dir.join("etcd-ca"), dir.join("etcd-cert"), dir.join("etcd-key"));
+    std::fs::copy(&real.ca_cert_file, &ca).unwrap();
+    let now = std::time::SystemTime::now();
+    let stranger = capo::certs::pki::new_ca(now, Duration::from_secs(86400)).unwrap();
+    let untrusted = capo::certs::pki::new_leaf(&stranger, &["capo".into()], now, Duration::from_secs(86400)).unwrap();
+    std::fs::write(&cert, &untrusted.cert_pem).unwrap();
+    std::fs::write(&key, &untrusted.key_pem).unwrap();
+    let config = EtcdConfig {
+        endpoints: vec![real.endpoints.clone()],
+        ca_cert_file: Some(ca),
+        cert_file: Some(cert.clone()),
+        key_file: Some(key.clone()),
+    };
+    let etcd = Etcd::new(&config).unwrap();
+    let _watch = etcd.reload_on_change(&config).unwrap().expect("a watch of the certificate directory");
+    let refused = etcd.get("/calico/resources/v3/projectcalico.org/ipreservations/none").await;
+    assert!(refused.is_err(), "etcd refuses a client certificate from a CA it does not trust: {refused:?}");
+    // The right certificate and key, each written aside and renamed into place.
+    for (from, to) in [(&real.cert_file, &cert), (&real.key_file, &key)] {
+        let aside = to.with_extension("new");
+        std::fs::copy(from, &aside).unwrap();
+        std::fs::rename(&aside, to).unwrap();
+    }
+    let answered = Instant::now();
+    eventually("etcd to answer with the new certificate", Duration::from_secs(30), || async {
+        etcd.get("/calico/resources/v3/projectcalico.org/ipreservations/none").await.ok()
+    })
+    .await;
+    eprintln!("answered {:?} after the new certificate was in place", answered.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}

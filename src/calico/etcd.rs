@@ -28,7 +28,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{Value, json};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// How long one call keeps trying when no endpoint answers.
 const UNREACHABLE_FOR: Duration = Duration::from_secs(6);
@@ -71,6 +71,8 @@ pub enum EtcdError {
     Decode { op: &'static str, message: String },
     #[error("the watch of {prefix} was compacted at revision {revision}: list again")]
     Compacted { prefix: String, revision: i64 },
+    #[error("watching {dir} for new etcd certificates: {message}")]
+    Watch { dir: PathBuf, message: String },
 }
 
 impl EtcdError {
@@ -120,7 +122,8 @@ type Https = HttpsConnector<HttpConnector>;
 /// A client of one etcd cluster.
 #[derive(Clone)]
 pub struct Etcd {
-    http: Arc<Client<Https, Full<Bytes>>>,
+    /// Swapped for a new client when the certificate files change ([`Etcd::reload_on_change`]).
+    http: Arc<arc_swap::ArcSwap<Client<Https, Full<Bytes>>>>,
     endpoints: Arc<Vec<String>>,
     /// The endpoint that answered last.
     current: Arc<AtomicUsize>,
@@ -160,6 +163,29 @@ fn tls_config(config: &EtcdConfig) -> Result<rustls::ClientConfig, EtcdError> {
         (None, None) => builder.with_no_client_auth(),
         _ => return Err(EtcdError::HalfClientCert),
     })
+}
+
+/// The HTTP client for etcd, with `config`'s certificates.
+fn http_client(config: &EtcdConfig) -> Result<Client<Https, Full<Bytes>>, EtcdError> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_keepalive(Some(Duration::from_secs(30)));
+    http.set_connect_timeout(Some(Duration::from_secs(3)));
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls_config(config)?)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
+}
+
+/// The contents of the certificate files, to tell a real change from a touch.
+fn certificate_files(config: &EtcdConfig) -> Vec<Option<Vec<u8>>> {
+    [&config.ca_cert_file, &config.cert_file, &config.key_file]
+        .into_iter()
+        .map(|f| f.as_ref().and_then(|f| std::fs::read(f).ok()))
+        .collect()
 }
 
 /// The range end that makes a range request cover every key starting with `prefix`.
@@ -227,18 +253,67 @@ impl Etcd {
         {
             return Err(EtcdError::PlainWithClientCert(plain.clone()));
         }
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_keepalive(Some(Duration::from_secs(30)));
-        http.set_connect_timeout(Some(Duration::from_secs(3)));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls_config(config)?)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        let http = Client::builder(TokioExecutor::new()).build(connector);
-        Ok(Self { http: Arc::new(http), endpoints: Arc::new(endpoints), current: Arc::default() })
+        let http = http_client(config)?;
+        Ok(Self {
+            http: Arc::new(arc_swap::ArcSwap::from_pointee(http)),
+            endpoints: Arc::new(endpoints),
+            current: Arc::default(),
+        })
+    }
+
+    /// Reads `config`'s certificate files again whenever something in their directories
+    /// changes (kubelet updates a mounted Secret by swapping its `..data` symlink) and
+    /// sends every later request with them; a bad update (a half-written key) is logged
+    /// and the certificates in use are kept. `None` without certificate files. The watch
+    /// lasts as long as the returned watcher.
+    pub fn reload_on_change(&self, config: &EtcdConfig) -> Result<Option<notify::RecommendedWatcher>, EtcdError> {
+        use notify::{RecursiveMode, Watcher};
+        let mut dirs: Vec<PathBuf> = [&config.ca_cert_file, &config.cert_file, &config.key_file]
+            .into_iter()
+            .flatten()
+            .map(|f| f.parent().map(Path::to_path_buf).unwrap_or_default())
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        if dirs.is_empty() {
+            return Ok(None);
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if event.is_ok() {
+                let _ = tx.send(());
+            }
+        })
+        .map_err(|e| EtcdError::Watch { dir: dirs[0].clone(), message: e.to_string() })?;
+        for dir in &dirs {
+            watcher
+                .watch(dir, RecursiveMode::NonRecursive)
+                .map_err(|e| EtcdError::Watch { dir: dir.clone(), message: e.to_string() })?;
+        }
+        let (config, http) = (config.clone(), self.http.clone());
+        tokio::spawn(async move {
+            let mut loaded = certificate_files(&config);
+            while rx.recv().await.is_some() {
+                // One update is several filesystem events; let them settle.
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                while rx.try_recv().is_ok() {}
+                let now = certificate_files(&config);
+                if now == loaded {
+                    continue;
+                }
+                match http_client(&config) {
+                    Ok(client) => {
+                        http.store(Arc::new(client));
+                        loaded = now;
+                        info!("reloaded the certificates for Calico's etcd");
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "could not reload the certificates for Calico's etcd; keeping those in use")
+                    }
+                }
+            }
+        });
+        Ok(Some(watcher))
     }
 
     /// The endpoints, for messages.
@@ -257,7 +332,7 @@ impl Etcd {
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| e.to_string())?;
-        self.http.request(request).await.map_err(|e| {
+        self.http.load_full().request(request).await.map_err(|e| {
             let mut message = e.to_string();
             let mut source = std::error::Error::source(&e);
             while let Some(s) = source {
