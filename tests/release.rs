@@ -499,6 +499,49 @@ async fn at_the_cap_holds_of_pods_still_there_go_before_holds_of_pods_that_left(
     assert!(pods.get("kept-0").await.is_ok() && pods.get("kept-1").await.is_ok(), "the Pods still run");
 }
 
+/// Tenants share a policy's cap by default (no `maxReservedPerNamespace`): a namespace
+/// that churns gives up its own holds before a quiet namespace loses one, though the quiet
+/// namespace's holds are the oldest.
+#[tokio::test]
+async fn at_the_cap_a_namespace_that_churns_gives_before_a_quiet_one_loses_any() {
+    let (client, quiet) = setup("rel-quiet").await;
+    let churn = TestNamespace::create(&client, "rel-churn").await;
+    let mut settings = capo_settings(&format!("capo-test-{}-a", quiet.name), &[&quiet.name, &churn.name], None);
+    settings.release = Some(release_settings(&quiet.name, "a", Duration::from_secs(600)));
+    let capo = start_capo_with(&client, &quiet.name, settings).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", quiet.name);
+    let both = json!({ "matchExpressions": [{ "key": "kubernetes.io/metadata.name", "operator": "In", "values": [quiet.name, churn.name] }] });
+    apply_policy(
+        &client,
+        &policy,
+        &quiet.name,
+        json!({ "namespaceSelector": both, "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 4, "releaseInterval": "200ms" }),
+    )
+    .await;
+    let mut held = Vec::new();
+    for (ns, n) in [(&quiet.name, 2), (&churn.name, 4)] {
+        for i in 0..n {
+            let ip = selected_pod(&client, ns, &format!("redis-{i}"), false).await;
+            delete_pod(&client, ns, &format!("redis-{i}")).await.expect("deletion allowed");
+            wait_status(&client, ip).await;
+            held.push(ip);
+        }
+    }
+    let (quiet_ips, churn_ips) = held.split_at(2);
+    // Six holds under maxReserved 4, two namespaces: churn holds four, more than its
+    // share, and gives its two oldest; quiet keeps both of its older holds.
+    for ip in &churn_ips[..2] {
+        wait_released(&client, *ip, Duration::from_secs(30)).await;
+    }
+    let cap = format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}");
+    assert_eq!(wait_metric(&capo, &cap, 2.0).await, 2.0);
+    for ip in quiet_ips.iter().chain(&churn_ips[2..]) {
+        assert!(record(&client, *ip).await.is_some(), "{ip} released by the cap");
+        assert!(entries(&client, &policy).await.contains(&cidr(*ip)), "{ip} still reserved");
+    }
+}
+
 #[tokio::test]
 async fn a_queued_cap_release_is_decided_afresh_when_its_pod_leaves_before_its_slot() {
     let Scene { client, ns, capo, policy } = scene(

@@ -3,7 +3,10 @@
 //! IP pool: past a policy's `maxPoolShare` of the pool's unused addresses, that policy's
 //! oldest in the pool; then past `--max-pool-share`, the oldest of all in the pool.
 //! Holds whose Pod is still there (a refused eviction, a denied review) go before all
-//! others, oldest first. "Oldest" is by the API server's clock — the record's `creationTimestamp` (seconds) —
+//! others, oldest first. Past the bound itself, tenants share it: the namespace holding
+//! the most gives its oldest, one hold at a time, so a namespace that churns gives up its
+//! own holds before a quiet namespace loses any (with one namespace: simply the oldest).
+//! "Oldest" is by the API server's clock — the record's `creationTimestamp` (seconds) —
 //! and only within one second by `reservedAt` (the writing replica's clock), then by name.
 
 use std::collections::{BTreeMap, HashSet};
@@ -16,6 +19,8 @@ pub struct Counted<'a> {
     pub name: &'a str,
     /// What a share is counted by: the namespace for the cap, the policy for the pool guard.
     pub group: &'a str,
+    /// The namespace of the held Pod: past the bound, the namespace holding the most gives.
+    pub namespace: &'a str,
     /// Its Pod is still there (a refused eviction, a denied review): such holds go first.
     pub present: bool,
     /// The record's `creationTimestamp` (or, for a hold whose Pod stayed at first, when
@@ -66,10 +71,40 @@ fn over<'a>(max: usize, per_group: impl Fn(&str) -> Option<usize>, mut holds: Ve
     let chosen: HashSet<&str> = out.iter().map(|h| h.name).collect();
     let left = holds.len() - out.len();
     if left > max {
-        out.extend(holds.iter().filter(|h| !chosen.contains(h.name)).take(left - max));
+        let rest: Vec<&Counted<'_>> = holds.iter().filter(|h| !chosen.contains(h.name)).collect();
+        out.extend(fairly(rest, left - max));
     }
     out.sort_by(|a, b| age_order(a, b));
     out.into_iter().map(|h| h.name.to_string()).collect()
+}
+
+/// `need` of `holds` (in age order): those whose Pod is still there first, oldest first;
+/// then, one at a time, the oldest of the namespace holding the most (a tie: the one whose
+/// oldest is older).
+fn fairly<'a, 'b>(holds: Vec<&'b Counted<'a>>, need: usize) -> Vec<&'b Counted<'a>> {
+    use std::cmp::Reverse;
+    use std::collections::{BinaryHeap, VecDeque};
+    let (present, gone): (Vec<_>, Vec<_>) = holds.into_iter().partition(|h| h.present);
+    let mut out: Vec<&Counted<'_>> = present.into_iter().take(need).collect();
+    let mut by_namespace: BTreeMap<&str, VecDeque<&Counted<'_>>> = BTreeMap::new();
+    for h in gone {
+        by_namespace.entry(h.namespace).or_default().push_back(h);
+    }
+    // (how many it holds, its oldest first, its name): the greatest gives next.
+    let key = |ns: &'a str, list: &VecDeque<&'b Counted<'a>>| {
+        let front = list.front().expect("non-empty");
+        (list.len(), Reverse((front.created, front.reserved_at, front.name)), ns)
+    };
+    let mut heap: BinaryHeap<_> = by_namespace.iter().map(|(ns, list)| key(ns, list)).collect();
+    while out.len() < need {
+        let Some((_, _, ns)) = heap.pop() else { break };
+        let list = by_namespace.get_mut(ns).expect("a namespace of the heap");
+        out.push(list.pop_front().expect("non-empty"));
+        if !list.is_empty() {
+            heap.push(key(ns, list));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -81,7 +116,7 @@ mod tests {
     }
 
     fn hold<'a>(name: &'a str, ns: &'a str, created: i64, reserved: i64) -> Counted<'a> {
-        Counted { name, group: ns, present: false, created: t(created, 0), reserved_at: t(0, reserved) }
+        Counted { name, group: ns, namespace: ns, present: false, created: t(created, 0), reserved_at: t(0, reserved) }
     }
 
     #[test]
@@ -139,6 +174,22 @@ mod tests {
         let holds = vec![hold("gone-1", "x", 0, 0), hold("gone-2", "x", 1, 0), staying];
         assert_eq!(over_cap(2, None, holds.clone()), vec!["evicted-refused".to_string()]);
         assert_eq!(over_cap(1, None, holds), vec!["evicted-refused".to_string(), "gone-1".to_string()]);
+    }
+
+    #[test]
+    fn past_the_cap_a_namespace_that_churns_gives_before_a_quiet_one_loses_any() {
+        // quiet holds the two oldest; churn six newer ones; a cap of 4 without a
+        // per-namespace share: churn gives four, quiet keeps both.
+        let mut holds = vec![hold("quiet-1", "quiet", 0, 0), hold("quiet-2", "quiet", 1, 0)];
+        let churn: Vec<String> = (0..6).map(|i| format!("churn-{i}")).collect();
+        holds.extend(churn.iter().enumerate().map(|(i, n)| hold(n, "churn", 10 + i as i64, 0)));
+        assert_eq!(over_cap(4, None, holds.clone()), churn[..4].to_vec());
+        // Once level, they give in turn, the older hold first: cap 2 also takes quiet-1
+        // (older than churn-4), then churn-4.
+        assert_eq!(
+            over_cap(2, None, holds),
+            ["quiet-1", "churn-0", "churn-1", "churn-2", "churn-3", "churn-4"].map(String::from).to_vec()
+        );
     }
 
     #[test]

@@ -962,6 +962,7 @@ impl Ctx {
                 .map(|(r, (s, age))| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.pod.namespace,
+                    namespace: &r.spec.pod.namespace,
                     present: *s == Standing::Present,
                     created: *age,
                     reserved_at: r.spec.reserved_at.0,
@@ -1029,6 +1030,7 @@ impl Ctx {
                 .map(|r| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.policy,
+                    namespace: &r.spec.pod.namespace,
                     // The pool guard counts only holds whose address Calico freed.
                     present: false,
                     created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
