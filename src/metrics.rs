@@ -164,6 +164,9 @@ pub struct ReleaseMetrics {
     pub lateness: HistogramVec,
     /// Release or repair writes that failed, by policy and reason.
     pub failures: IntCounterVec,
+    /// Records the leader leaves alone because they are not what capo writes (counted once
+    /// per record), by reason (ip, name, cidr, reservation, group).
+    pub ignored_records: IntCounterVec,
     /// Repairs by action (adopted, written_back, garbage_removed, redundant_removed).
     pub repairs: IntCounterVec,
     /// 1 while this replica holds the Lease.
@@ -289,6 +292,11 @@ impl ReleaseMetrics {
             ),
             releases: counter("releases_total", "Held IPs released, by policy and reason.", &["policy", "reason"]),
             lateness,
+            ignored_records: counter(
+                "records_ignored_total",
+                "ReservedIPs the leader leaves alone because they are not what capo writes, by reason.",
+                &["reason"],
+            ),
             failures: counter(
                 "release_failures_total",
                 "Release or repair writes that failed, by policy and reason.",

@@ -726,3 +726,51 @@ async fn repeated_review(prefix: &str, lagging: bool) {
     assert_eq!(count(&Method::GET, "/reservedips/"), 0, "the record never read: {calls:?}");
     drop(capo);
 }
+
+/// The ReservedIP CRD refuses records capo would never write, and any change to a
+/// record's identity: a `cidr` wider than its address, a reservation that is not one of
+/// its policy's, an unknown Calico group; `ip`, `cidr`, `policy` and the Pod cannot change
+/// (only `reservation`, to another shard of the policy, and `manual`).
+#[tokio::test]
+async fn the_crd_refuses_records_capo_would_not_write_and_identity_changes() {
+    let client = client().await;
+    install_capo_crds(&client).await;
+    let api = Api::<capo_api::ReservedIP>::all(client.clone());
+    let ip = Ips::v4();
+    let name = capo_api::reserved_ip::record_name(ip);
+    let record = |cidr: String, reservation: &str, group: &str| -> capo_api::ReservedIP {
+        serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP", "metadata": { "name": name },
+            "spec": { "ip": ip.to_string(), "cidr": cidr, "reservation": reservation, "calicoApiGroup": group,
+                      "policy": "crd-rules", "pod": { "namespace": "n", "name": "x", "uid": "u" }, "trigger": "Delete",
+                      "reservedAt": "2026-01-01T00:00:00.000000Z", "reserveFor": "1h" },
+        }))
+        .unwrap()
+    };
+    let v1 = "crd.projectcalico.org/v1";
+    for (bad, says) in [
+        (record("10.0.0.0/8".into(), "capo-crd-rules", v1), "spec.cidr must be the one address"),
+        (record(cidr(ip), "capo-someone-else", v1), "spec.reservation must be one of its policy's reservations"),
+        (record(cidr(ip), "capo-crd-rules.0", v1), "spec.reservation must be one of its policy's reservations"),
+        (record(cidr(ip), "capo-crd-rules", "example.com/v1"), "spec.calicoApiGroup must be"),
+    ] {
+        let e = api.create(&PostParams::default(), &bad).await.expect_err(says);
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    api.create(&PostParams::default(), &record(cidr(ip), "capo-crd-rules.7", v1)).await.expect("a record capo writes");
+    let merge = |p: serde_json::Value| {
+        let api = api.clone();
+        let name = name.clone();
+        async move { api.patch(&name, &PatchParams::default(), &Patch::Merge(p)).await }
+    };
+    for (change, field) in [
+        (json!({ "spec": { "policy": "other" } }), "spec.policy cannot change"),
+        (json!({ "spec": { "pod": { "uid": "v" } } }), "spec.pod.uid cannot change"),
+        (json!({ "spec": { "calicoApiGroup": "projectcalico.org/v3" } }), "spec.calicoApiGroup cannot change"),
+    ] {
+        let e = merge(change).await.expect_err(field);
+        assert!(e.to_string().contains(field), "{e}");
+    }
+    merge(json!({ "spec": { "reservation": "capo-crd-rules" } })).await.expect("moved to another shard of its policy");
+    api.delete(&name, &DeleteParams::default()).await.unwrap();
+}

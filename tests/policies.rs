@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use capo_api::CapoPolicy;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::jiff::Timestamp;
 use kube::CustomResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -265,6 +266,70 @@ async fn d02_objects_capo_cannot_read_do_not_stop_releases() {
     // (The other tests of this binary count policies: leave none behind.)
     untyped.delete(&bad, &Default::default()).await.unwrap();
     records.delete(&bad_record, &Default::default()).await.unwrap();
+}
+
+/// Issue 23 item 5: a record is not write input unless capo could have written it. A
+/// hand-made `ReservedIP` (made through a CRD without the rules that now refuse it) whose
+/// `cidr` is `10.0.0.0/8`, and one pointing at a reservation that is not its policy's, are
+/// reported (metric, Event) and left alone: nothing is written back into a reservation, and
+/// a real hold of the policy is still released on time beside them.
+#[tokio::test]
+async fn records_capo_did_not_write_never_reach_a_reservation() {
+    let _one = SERIAL.lock().await;
+    let (client, ns) = setup("pol-forged").await;
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(
+        &client,
+        &policy,
+        &ns.name,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "3s", "releaseInterval": "100ms" }),
+    )
+    .await;
+    // A real hold first: the policy's reservation exists, capo-owned.
+    let real = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
+    wait_status(&client, real).await;
+    let records = Api::<kube::api::DynamicObject>::all_with(
+        client.clone(),
+        &kube::api::ApiResource::erase::<capo_api::ReservedIP>(&()),
+    );
+    let forged = |ip: std::net::IpAddr, cidr: &str, reservation: &str| {
+        json!({ "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP",
+                "metadata": { "name": capo_api::reserved_ip::record_name(ip),
+                              "labels": { "app.kubernetes.io/managed-by": "capo", "capo.io/policy": policy } },
+                "spec": { "ip": ip.to_string(), "cidr": cidr, "reservation": reservation,
+                          "calicoApiGroup": "crd.projectcalico.org/v1", "policy": policy,
+                          "pod": { "namespace": ns.name, "name": "gone", "uid": "forged" },
+                          "trigger": "Delete", "reservedAt": Timestamp::now(), "reserveFor": "1h" } })
+    };
+    let (wide, elsewhere) = (Ips::v4(), Ips::v4());
+    for (ip, cidr, reservation) in [
+        (wide, "10.0.0.0/8".to_string(), format!("capo-{policy}")),
+        (elsewhere, cidr(elsewhere), "capo-someone-else".into()),
+    ] {
+        let obj = forged(ip, &cidr, &reservation);
+        let name = capo_api::reserved_ip::record_name(ip);
+        records.patch(&name, &PatchParams::apply("capo-tests").force(), &Patch::Apply(obj)).await.expect("applied");
+    }
+    for reason in ["cidr", "reservation"] {
+        wait_metric(&capo, &format!("capo_records_ignored_total{{reason=\"{reason}\"}}"), 1.0).await;
+    }
+    wait_event(&client, "default", &capo_api::reserved_ip::record_name(wide), "Inconsistent").await;
+    // The real hold is released on time beside them; by then the leader has looked at
+    // every record many times over (repair settles in 1 s here).
+    wait_released(&client, real, Duration::from_secs(20)).await;
+    let entries = policy_entries(&client, V1, &policy).await;
+    assert!(!entries.contains(&"10.0.0.0/8".to_string()), "a forged record's cidr written back: {entries:?}");
+    assert!(!entries.contains(&cidr(elsewhere)), "{entries:?}");
+    let other = Api::<kube::api::DynamicObject>::all_with(client.clone(), &V1.ip_reservation());
+    assert!(other.get_opt("capo-someone-else").await.unwrap().is_none(), "no reservation made for a forged record");
+    for ip in [wide, elsewhere] {
+        assert!(records.get_opt(&capo_api::reserved_ip::record_name(ip)).await.unwrap().is_some(), "left alone");
+        records.delete(&capo_api::reserved_ip::record_name(ip), &Default::default()).await.unwrap();
+    }
+    Api::<CapoPolicy>::all(client.clone()).delete(&policy, &Default::default()).await.unwrap();
 }
 
 /// Defect 11 (invariant 3): repair removes from a capo-owned reservation only entries that

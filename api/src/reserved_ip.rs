@@ -1,14 +1,14 @@
 //! `ReservedIP`: capo's record of one held IP, the source of truth for its release.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use kube::CustomResource;
+use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
 
 /// One IP that capo holds in a Calico `IPReservation` on behalf of a deleted Pod.
 /// Named after the IP (`10.0.0.5`, `fd00--5` for `fd00::5`).
-#[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "capo.io",
     version = "v1alpha1",
@@ -34,16 +34,28 @@ use std::net::IpAddr;
     printcolumn(name = "By", type_ = "string", json_path = ".spec.manual.by", priority = 1)
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.cidr == self.ip + (self.ip.contains(':') ? '/128' : '/32')").message("spec.cidr must be the one address spec.ip: spec.ip + '/32' (IPv6: '/128')"))]
+#[x_kube(validation = Rule::new("self.reservation == 'capo-' + self.policy || (self.reservation.startsWith('capo-' + self.policy + '.') && self.reservation.substring(size(self.policy) + 6).matches('^[1-9][0-9]{0,3}$'))").message("spec.reservation must be one of its policy's reservations: capo-<policy> or capo-<policy>.<n>"))]
+#[x_kube(validation = Rule::new("self.calicoApiGroup in ['crd.projectcalico.org/v1', 'projectcalico.org/v3']").message("spec.calicoApiGroup must be crd.projectcalico.org/v1 or projectcalico.org/v3"))]
 pub struct ReservedIPSpec {
     /// The held address.
+    #[schemars(length(max = 45))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.ip cannot change: delete the record instead"))]
     pub ip: String,
     /// The entry in the reservation: `<ip>/32` or `<ip>/128`.
+    #[schemars(length(max = 49))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.cidr cannot change: delete the record instead"))]
     pub cidr: String,
     /// The capo-owned Calico `IPReservation` holding the entry.
+    #[schemars(length(max = 80))]
     pub reservation: String,
     /// The Calico API group the reservation was written in.
+    #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.calicoApiGroup cannot change: delete the record instead"))]
     pub calico_api_group: String,
     /// The `CapoPolicy` that selected the Pod.
+    #[schemars(length(max = 63))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.policy cannot change: delete the record instead"))]
     pub policy: String,
     /// The Pod that had the IP.
     pub pod: PodRef,
@@ -81,11 +93,17 @@ pub enum ManualAction {
     Extend,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodRef {
+    #[schemars(length(max = 63))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.pod.namespace cannot change: delete the record instead"))]
     pub namespace: String,
+    #[schemars(length(max = 253))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.pod.name cannot change: delete the record instead"))]
     pub name: String,
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.pod.uid cannot change: delete the record instead"))]
     pub uid: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,

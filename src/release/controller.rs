@@ -30,7 +30,7 @@ use super::decide::{self, Action, Facts, PlanSettings, PodState, ReleaseReason};
 use super::pacer::{Leaving, Pacer, Taken};
 use super::queue::WorkQueue;
 use super::writes::{RecordFate, RecordWrites, ReleaseError};
-use super::{cap, repair};
+use super::{cap, consistency, repair};
 use crate::calico::Datastore;
 use crate::calico::pools::{PoolStore, detect_ipam_api};
 use crate::calico::{IndexEvent, ReservationIndex, Reservations, entry};
@@ -186,6 +186,9 @@ struct Memory {
     /// Record → (its uid, when its Pod left): holds whose Pod stayed at first (a refused
     /// eviction) and left later count against the cap from then, not from the hold.
     left: HashMap<String, (String, Timestamp)>,
+    /// Records reported as inconsistent (by name: the uid reported), forgotten with the
+    /// record.
+    inconsistent: HashMap<String, String>,
 }
 
 struct Ctx {
@@ -708,10 +711,15 @@ impl Ctx {
             memory.gone_seen.remove(name);
             memory.unmarked.remove(name);
             memory.left.remove(name);
+            memory.inconsistent.remove(name);
             return Ok(None);
         };
         let spec = &rec.spec;
         if !self.in_scope(&spec.policy) || self.pacer.lock().expect("pacer lock").contains(&rec) {
+            return Ok(None);
+        }
+        if let Err(why) = consistency::check(&rec) {
+            self.ignore(&rec, why).await;
             return Ok(None);
         }
         let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
@@ -769,6 +777,24 @@ impl Ctx {
                 Ok(None)
             }
         }
+    }
+
+    /// Reports, once per record, a record the leader will not act on (metric, warning,
+    /// Event on the record).
+    async fn ignore(&self, rec: &capo_api::ReservedIP, why: consistency::Inconsistent) {
+        let (name, uid) = (rec.name_any(), rec.uid().unwrap_or_default());
+        if self.memory.lock().expect("memory lock").inconsistent.insert(name.clone(), uid.clone()) == Some(uid) {
+            return;
+        }
+        self.metrics.release.ignored_records.with_label_values(&[why.reason()]).inc();
+        let spec = &rec.spec;
+        warn!(
+            record = %name, ip = %spec.ip, cidr = %spec.cidr, reservation = %spec.reservation, reason = why.reason(),
+            "a ReservedIP capo did not write: left alone (no entry written back, nothing released)"
+        );
+        let note =
+            format!("not acted on: {why} (ip {}, cidr {}, reservation {})", spec.ip, spec.cidr, spec.reservation);
+        self.event(&kube::Resource::object_ref(rec, &()), EventType::Warning, "Inconsistent", "Ignore", note).await;
     }
 
     /// What this leader remembers of a hold: since when its entry has been missing (noted
@@ -924,7 +950,8 @@ impl Ctx {
         }
         let matcher = self.matcher.load();
         let policy = matcher.get(name).cloned();
-        let holds = self.records.records_of(name);
+        let holds: Vec<_> =
+            self.records.records_of(name).into_iter().filter(|r| consistency::check(r).is_ok()).collect();
         let m = &self.metrics.release;
         if holds.is_empty() && policy.is_none() {
             m.forget_policy(name);
@@ -1014,7 +1041,8 @@ impl Ctx {
             return;
         };
         let held = self.records.matching(|r| {
-            entry::single_ip(&r.spec.cidr).is_some_and(|ip| pool.cidr.contains(&ip) && !store.is_allocated(ip))
+            consistency::check(r).is_ok()
+                && entry::single_ip(&r.spec.cidr).is_some_and(|ip| pool.cidr.contains(&ip) && !store.is_allocated(ip))
         });
         let unused = usage.unused();
         gauges.set(name, usage.size, unused.saturating_sub(held.len() as u128), held.len());
@@ -1348,6 +1376,11 @@ impl Ctx {
         // one store, either name is this shard.
         let recorded_at = |ip| {
             self.records.get(&record_name(ip)).and_then(|r| {
+                if consistency::check(&r).is_err() {
+                    // A record capo did not write: its entry is left as it is, neither
+                    // adopted nor removed as redundant.
+                    return Some((group, view.name.clone()));
+                }
                 let group = r.spec.calico_api_group.parse::<CalicoApiGroup>().ok()?;
                 Some((self.index.canonical(group), r.spec.reservation.clone()))
             })

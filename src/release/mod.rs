@@ -9,6 +9,7 @@
 
 pub mod announce;
 pub mod cap;
+pub mod consistency;
 pub mod controller;
 pub mod decide;
 pub mod pacer;
