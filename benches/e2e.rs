@@ -317,6 +317,7 @@ async fn allow_all(client: &Client, ns: &str) -> (capo::server::WebhookServer, A
         serving,
         Default::default(),
         capo::metrics::Metrics::new().connections,
+        &Default::default(),
     )
     .await
     .unwrap();

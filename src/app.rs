@@ -66,6 +66,8 @@ pub struct Settings {
     pub max_review_time: Duration,
     /// What one client may cost the webhook: connections, timeouts, reviews in flight.
     pub limits: WebhookLimits,
+    /// What a caller of the webhook must present (a client certificate, a bearer token).
+    pub caller_auth: crate::caller_auth::CallerAuth,
     pub field_manager: String,
     /// How long to wait for the caches before giving up at start.
     pub sync_timeout: Duration,
@@ -220,6 +222,7 @@ impl App {
             serving.clone(),
             settings.limits.connections.clone(),
             metrics.connections.clone(),
+            &settings.caller_auth,
         )
         .await?;
         let webhook_addr = server.addr;

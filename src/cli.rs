@@ -225,6 +225,16 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(2..))]
     pub review_memory_mib: u32,
 
+    /// Accept webhook connections only with a client certificate signed by a CA in this
+    /// PEM file (the API server's, from its AdmissionConfiguration; docs/install.md).
+    #[arg(long, env = "CAPO_WEBHOOK_CLIENT_CA_FILE")]
+    pub webhook_client_ca_file: Option<PathBuf>,
+
+    /// Accept reviews only with `Authorization: Bearer <this file's content>` (read again
+    /// when it changes).
+    #[arg(long, env = "CAPO_WEBHOOK_TOKEN_FILE")]
+    pub webhook_token_file: Option<PathBuf>,
+
     /// Log format: text or json.
     #[arg(long, env = "CAPO_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
@@ -383,6 +393,10 @@ impl Args {
                     bytes_in_flight: (self.review_memory_mib as usize) << 20,
                     ..Default::default()
                 },
+            },
+            caller_auth: crate::caller_auth::CallerAuth {
+                client_ca_file: self.webhook_client_ca_file.clone(),
+                token_file: self.webhook_token_file.clone(),
             },
             field_manager: "capo".into(),
             sync_timeout: Duration::from_secs(120),

@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod app;
 pub mod calico;
+pub mod caller_auth;
 pub mod certs;
 pub mod cli;
 pub mod client;

@@ -57,6 +57,8 @@ pub struct ConnectionMetrics {
     /// `header_timeout` (no request within the header timeout), `idle` (no request for the
     /// idle timeout).
     pub closed: IntCounterVec,
+    /// Requests refused for want of the bearer token, by reason (`no_token`, `wrong_token`).
+    pub unauthenticated: IntCounterVec,
 }
 
 impl ConnectionMetrics {
@@ -70,7 +72,16 @@ impl ConnectionMetrics {
         )
         .expect("static metric");
         registry.register(Box::new(closed.clone())).expect("unique metric");
-        Self { open, closed }
+        let unauthenticated = IntCounterVec::new(
+            Opts::new(
+                "webhook_unauthenticated_total",
+                "Webhook requests refused for want of the bearer token, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("static metric");
+        registry.register(Box::new(unauthenticated.clone())).expect("unique metric");
+        Self { open, closed, unauthenticated }
     }
 }
 

@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
+use crate::caller_auth::{AuthError, CallerAuth, TokenCheck, client_verifier};
 use crate::certs::ServingCert;
 use crate::metrics::ConnectionMetrics;
 
@@ -116,33 +117,48 @@ pub enum ServerError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error("the webhook's TLS configuration: {0}")]
     Tls(#[from] rustls::Error),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
 }
 
-fn tls_config(serving: Arc<ServingCert>) -> Result<rustls::ServerConfig, rustls::Error> {
+fn tls_config(
+    serving: Arc<ServingCert>,
+    clients: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+) -> Result<rustls::ServerConfig, rustls::Error> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(serving);
+    let builder = rustls::ServerConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?;
+    let builder = match clients {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(serving);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }
 
 impl WebhookServer {
     /// Listens on `addr` and serves `router` over TLS with the certificate of `serving`.
-    /// Connections are bounded by `limits` and counted in `metrics`.
+    /// Connections are bounded by `limits` and counted in `metrics`; callers must present
+    /// what `auth` asks for.
     pub async fn start(
         addr: SocketAddr,
         router: Router,
         serving: Arc<ServingCert>,
         limits: ConnectionLimits,
         metrics: ConnectionMetrics,
+        auth: &CallerAuth,
     ) -> Result<Self, ServerError> {
+        let clients = auth.client_ca_file.as_deref().map(client_verifier).transpose()?;
+        let token = auth.token_file.clone().map(TokenCheck::new).transpose()?.map(Arc::new);
         let listener = TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })?;
         let addr = listener.local_addr().map_err(|source| ServerError::Bind { addr, source })?;
-        let acceptor = TlsAcceptor::from(Arc::new(tls_config(serving.clone())?));
+        let acceptor = TlsAcceptor::from(Arc::new(tls_config(serving.clone(), clients)?));
         let (stop, stopped) = watch::channel(false);
         let open = Arc::new(());
+        let router = match token {
+            Some(token) => with_token(router, token, metrics.clone()),
+            None => router,
+        };
         let server = Server { acceptor, router, serving, limits, metrics, stop: stopped, open: open.clone() };
         let accepting = tokio::spawn(server.accept(listener));
         Ok(Self { addr, stop, accepting: Some(accepting), open })
@@ -304,6 +320,29 @@ impl Server {
             }
         }
     }
+}
+
+/// Answers 401 to a request without the bearer token, before anything else reads it.
+fn with_token(router: Router, token: Arc<TokenCheck>, metrics: ConnectionMetrics) -> Router {
+    router.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
+        let refused = token.check(req.headers()).err();
+        let metrics = metrics.clone();
+        async move {
+            match refused {
+                None => next.run(req).await,
+                Some(why) => {
+                    metrics.unauthenticated.with_label_values(&[why.reason()]).inc();
+                    let message = "capo's webhook needs the bearer token it was given (--webhook-token-file)";
+                    let mut response =
+                        axum::response::IntoResponse::into_response((axum::http::StatusCode::UNAUTHORIZED, message));
+                    response
+                        .headers_mut()
+                        .insert(axum::http::header::WWW_AUTHENTICATE, axum::http::HeaderValue::from_static("Bearer"));
+                    response
+                }
+            }
+        }
+    }))
 }
 
 /// Waits until the watched value satisfies `f` (or its sender is gone).

@@ -49,6 +49,8 @@ const EVERY_OPTION: &[&str] = &[
     "certificates.mode=secret,webhook.excludedNamespaces={redis-system},webhook.failurePolicy=Fail",
     "--set",
     "networkPolicy.enabled=true",
+    "--set",
+    "webhook.auth.clientCASecret=capo-webhook-client-ca,webhook.auth.tokenSecret=capo-webhook-token",
 ];
 
 /// The RBAC objects of a rendering, by kind and name, with their rules.
@@ -337,6 +339,40 @@ fn values_are_validated_by_the_schema() {
         &serde_json::json!(["kube-system", "capo-system", "redis-system"]),
         "kube-system and the release namespace always"
     );
+}
+
+/// `webhook.auth`: the client CA and the token are mounted from their Secrets where the
+/// flags point, and the flags are ones capo's CLI takes (as are the limits').
+#[test]
+fn webhook_auth_mounts_the_client_ca_and_the_token_where_the_flags_point() {
+    use clap::Parser;
+    let all = docs(&template(EVERY_OPTION));
+    let pod = &find(&all, "Deployment", "capo")["spec"]["template"]["spec"];
+    let args: Vec<String> =
+        pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect();
+    let cli = capo::cli::Cli::try_parse_from(std::iter::once("capo".to_string()).chain(args.clone()))
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    let settings = cli.run.settings().unwrap();
+    let auth = settings.caller_auth;
+    assert_eq!(auth.client_ca_file.as_deref(), Some(std::path::Path::new("/webhook-client-ca/ca.crt")));
+    assert_eq!(auth.token_file.as_deref(), Some(std::path::Path::new("/webhook-token/token")));
+    assert_eq!(settings.limits.connections.header_timeout, std::time::Duration::from_secs(10));
+    assert_eq!(settings.limits.reviews.bytes_in_flight, 64 << 20);
+    let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
+    for (volume, path, secret, key) in [
+        ("webhook-client-ca", "/webhook-client-ca", "capo-webhook-client-ca", "ca.crt"),
+        ("webhook-token", "/webhook-token", "capo-webhook-token", "token"),
+    ] {
+        assert!(mounts.iter().any(|m| m["name"] == volume && m["mountPath"] == path && m["readOnly"] == true));
+        let v = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == volume).expect("volume");
+        assert_eq!(v["secret"]["secretName"], secret);
+        assert_eq!(v["secret"]["items"][0]["key"], key);
+    }
+    let plain = docs(&template(&[]));
+    let args =
+        serde_json::to_string(&find(&plain, "Deployment", "capo")["spec"]["template"]["spec"]["containers"][0]["args"])
+            .unwrap();
+    assert!(!args.contains("client-ca") && !args.contains("token-file"), "nothing asked by default: {args}");
 }
 
 /// `calico.datastore: etcdv3`: capo gets Calico's etcd settings as flags its CLI accepts,

@@ -202,6 +202,7 @@ pub fn capo_settings(webhook_name: &str, namespaces: &[&str], calico: Option<Cal
         excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
         max_review_time: Duration::from_secs(10),
         limits: Default::default(),
+        caller_auth: Default::default(),
         field_manager: "capo".into(),
         sync_timeout: Duration::from_secs(60),
         release: None,
@@ -502,6 +503,7 @@ pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings 
         excluded_namespaces: vec!["capo-system".into(), "kube-system".into()],
         max_review_time: Duration::from_secs(10),
         limits: Default::default(),
+        caller_auth: Default::default(),
         field_manager: "capo".into(),
         sync_timeout: Duration::from_secs(60),
         release: Some(capo::app::ReleaseSettings {

@@ -35,6 +35,11 @@ pub fn private_plane(name: &str, audit: bool) -> PrivatePlane {
 
 /// [`private_plane`] with Calico's IPAM on the given datastore.
 pub fn private_plane_with(name: &str, audit: bool, calico: Calico) -> PrivatePlane {
+    private_plane_configured(name, audit, calico, Vec::new())
+}
+
+/// [`private_plane_with`] whose kube-apiserver gets the further flags `apiserver_args`.
+pub fn private_plane_configured(name: &str, audit: bool, calico: Calico, apiserver_args: Vec<String>) -> PrivatePlane {
     let (requests, rx) = std::sync::mpsc::channel::<Request>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
@@ -42,6 +47,7 @@ pub fn private_plane_with(name: &str, audit: bool, calico: Calico) -> PrivatePla
     let owner = std::thread::spawn(move || {
         let mut opts = capo_testenv::Options::new(dir.clone(), 1);
         opts.audit = audit;
+        opts.apiserver_args = apiserver_args;
         let mut cp = match capo_testenv::ControlPlane::start_with(opts, calico) {
             Ok(cp) => cp,
             Err(e) => {

@@ -66,6 +66,8 @@ pub struct Options {
     /// Leases (`<state_dir>/audit.log`, JSON lines), so tests can count writes as the API
     /// server saw them.
     pub audit: bool,
+    /// Further kube-apiserver flags (e.g. `--admission-control-config-file`).
+    pub apiserver_args: Vec<String>,
 }
 
 /// Calico in the control plane: which datastore Calico's IPAM library uses.
@@ -113,7 +115,7 @@ impl CalicoEtcd {
 
 impl Options {
     pub fn new(state_dir: impl Into<PathBuf>, nodes: usize) -> Self {
-        Self { state_dir: state_dir.into(), nodes, audit: false }
+        Self { state_dir: state_dir.into(), nodes, audit: false, apiserver_args: Vec::new() }
     }
 }
 
@@ -228,17 +230,17 @@ impl ControlPlane {
             components: vec![],
         };
 
-        let mut audit_args = Vec::new();
+        let mut audit_args = opts.apiserver_args.clone();
         if opts.audit {
             let policy = state.join("audit-policy.yaml");
             std::fs::write(&policy, AUDIT_POLICY).map_err(io(&policy))?;
-            audit_args = vec![
+            audit_args.extend([
                 path_arg("audit-policy-file", &policy),
                 path_arg("audit-log-path", &state.join("audit.log")),
                 "--audit-log-format=json".into(),
                 "--audit-log-mode=blocking".into(),
                 "--audit-log-maxsize=1024".into(),
-            ];
+            ]);
         }
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
