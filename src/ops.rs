@@ -2,8 +2,9 @@
 //! `capo policies`), run with the current kubeconfig like kubectl.
 //!
 //! `release` and `extend` do not release anything themselves: they write the request into
-//! the hold's record (`spec.manual`, with the user's name from a SelfSubjectReview) and wait
-//! for the leader to carry it out, so only the leader ever releases.
+//! the hold's record through its status subresource (`status.manual`, with the user's name
+//! from a SelfSubjectReview; `patch reservedips/status` is all it needs) and wait for the
+//! leader to carry it out, so only the leader ever releases.
 //!
 //! Exit codes: 0 done; 1 an API error; 3 no hold for an IP; 4 permission denied; 5 the
 //! leader did not act within `--wait`.
@@ -76,7 +77,7 @@ fn since(now: Timestamp, t: Timestamp) -> Duration {
 /// "Due in" for one hold, as the leader last wrote it.
 fn due_in(now: Timestamp, r: &ReservedIP) -> String {
     let status = r.status.clone().unwrap_or_default();
-    if r.spec.manual.as_ref().is_some_and(|m| m.action == ManualAction::Release) {
+    if r.manual().is_some_and(|m| m.action == ManualAction::Release) {
         return "releasing".into();
     }
     match (status.release_at, status.pod_kept_since) {
@@ -275,12 +276,12 @@ async fn request(client: &Client, ip: IpAddr, change: ManualChange) -> Result<Re
         .await
         .map_err(|e| OpsError::api(format!("reading ReservedIP {name}"), e))?
         .ok_or(OpsError::UnknownIp(ip))?;
-    api.patch(&name, &PatchParams::default(), &Patch::Merge(json!({ "spec": { "manual": change } }))).await.map_err(
-        |e| match e {
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": { "manual": change } })))
+        .await
+        .map_err(|e| match e {
             kube::Error::Api(s) if s.code == 404 => OpsError::UnknownIp(ip),
-            e => OpsError::api(format!("patching ReservedIP {name}"), e),
-        },
-    )
+            e => OpsError::api(format!("patching the status of ReservedIP {name}"), e),
+        })
 }
 
 async fn wait_for<F>(client: &Client, ip: IpAddr, wait: Duration, mut done: F) -> Result<Option<ReservedIP>, OpsError>

@@ -713,7 +713,8 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("extended by admin") || out.contains("extended by"), "{out}");
     let rec = record(&client, b).await.unwrap();
-    let manual = rec.spec.manual.clone().expect("the record shows who");
+    let manual = rec.status.as_ref().and_then(|s| s.manual.clone()).expect("the record's status shows who");
+    assert!(rec.spec.manual.is_none(), "the request went through the status subresource");
     assert_eq!(manual.action, capo_api::ManualAction::Extend);
     assert!(!manual.by.is_empty() && manual.by != "unknown", "{manual:?}");
     let due = rec.status.unwrap().release_at.unwrap().0.duration_since(Timestamp::now()).as_secs();
@@ -756,6 +757,61 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     assert_eq!(code, 5, "{err}");
     assert!(err.contains("did not act in time"), "{err}");
     assert!(record(&client, b).await.is_some(), "only a leader releases");
+}
+
+/// An operator needs no write access to a record's spec: with `get`/`list` on
+/// `reservedips` and `patch` on `reservedips/status` only, `capo extend` and `capo release`
+/// work, and the request carries the operator's name.
+#[tokio::test]
+async fn an_operator_with_only_status_rights_extends_and_releases() {
+    let Scene { client, ns, capo: _capo, policy } = scene(
+        "rel-operator",
+        Duration::from_secs(600),
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "releaseInterval": "100ms" }),
+    )
+    .await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held");
+    wait_status(&client, ip).await;
+    let user = format!("capo-test-operator-{}", ns.name);
+    let role = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": { "name": user },
+        "rules": [
+            { "apiGroups": ["capo.io"], "resources": ["reservedips"], "verbs": ["get", "list", "watch"] },
+            { "apiGroups": ["capo.io"], "resources": ["reservedips/status"], "verbs": ["patch"] },
+        ],
+    });
+    let binding = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": { "name": user },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": user },
+        "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user }],
+    });
+    for obj in [role, binding] {
+        let (ok, out) = kubectl(&["apply", "--server-side", "-f", "-"], Some(&obj.to_string())).await;
+        assert!(ok, "{out}");
+    }
+    let (_, can) = kubectl(&["auth", "can-i", "patch", "reservedips.capo.io", "--as", &user], None).await;
+    assert!(can.trim().starts_with("no"), "the operator cannot write a record's spec: {can}");
+    let mut kc: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(&capo_testenv::shared().kubeconfig).unwrap()).unwrap();
+    kc["users"][0]["user"]["as"] = user.clone().into();
+    let operator = std::env::temp_dir().join(format!("capo-operator-{}.kubeconfig", ns.name));
+    std::fs::write(&operator, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+    let (code, out, err) = capo_cli_as(&operator, &["extend", &ip.to_string(), "--for", "2h"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let rec = record(&client, ip).await.unwrap();
+    let manual = rec.status.as_ref().and_then(|s| s.manual.clone()).expect("the request, in the status");
+    assert_eq!((manual.action, manual.by.as_str()), (capo_api::ManualAction::Extend, user.as_str()));
+    let due = rec.status.unwrap().release_at.unwrap().0.duration_since(Timestamp::now()).as_secs();
+    assert!((7100..=7200).contains(&due), "released in about 2h: {due}s");
+    let (code, out, err) = capo_cli_as(&operator, &["release", &ip.to_string()]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(record(&client, ip).await.is_none(), "released");
+    assert!(!entries(&client, &policy).await.contains(&cidr(ip)));
+    let _ = std::fs::remove_file(&operator);
+    for kind in ["clusterrolebinding", "clusterrole"] {
+        let _ = kubectl(&["delete", kind, &user], None).await;
+    }
 }
 
 /// `capo migrate` turns the original capo's default configuration into CapoPolicies that

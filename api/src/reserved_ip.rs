@@ -30,8 +30,8 @@ use std::net::IpAddr;
     printcolumn(name = "Reserved", type_ = "date", json_path = ".spec.reservedAt"),
     printcolumn(name = "Pod-Gone", type_ = "date", json_path = ".status.podGoneAt"),
     printcolumn(name = "Release-At", type_ = "string", json_path = ".status.releaseAt"),
-    printcolumn(name = "Manual", type_ = "string", json_path = ".spec.manual.action", priority = 1),
-    printcolumn(name = "By", type_ = "string", json_path = ".spec.manual.by", priority = 1)
+    printcolumn(name = "Manual", type_ = "string", json_path = ".status.manual.action", priority = 1),
+    printcolumn(name = "By", type_ = "string", json_path = ".status.manual.by", priority = 1)
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.cidr == self.ip + (self.ip.contains(':') ? '/128' : '/32')").message("spec.cidr must be the one address spec.ip: spec.ip + '/32' (IPv6: '/128')"))]
@@ -149,6 +149,23 @@ pub struct ReservedIPStatus {
     /// another webhook). Such a hold is dropped after a grace period.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_kept_since: Option<MicroTime>,
+    /// An operator's request (`capo release`, `capo extend`) made through the status
+    /// subresource: it needs `patch` on `reservedips/status` only, never on the record's
+    /// spec. The leader keeps it until it carries it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manual: Option<ManualChange>,
+}
+
+impl ReservedIP {
+    /// The operator's latest request: the status subresource's or (written by capo before
+    /// 0.x, or by hand) the spec's, whichever was made last.
+    pub fn manual(&self) -> Option<&ManualChange> {
+        let by_status = self.status.as_ref().and_then(|s| s.manual.as_ref());
+        match (by_status, self.spec.manual.as_ref()) {
+            (Some(a), Some(b)) => Some(if b.at.0 > a.at.0 { b } else { a }),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// The object name of the record for `ip`: the IP itself, with `:` spelled `-` for IPv6.

@@ -357,6 +357,7 @@ async fn write(
         pod_gone_at: Some(MicroTime(reserved_at)),
         release_at: Some(MicroTime(release_at)),
         pod_kept_since: None,
+        manual: None,
     };
     records
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": status })))

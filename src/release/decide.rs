@@ -193,7 +193,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     let current = rec.status.clone().unwrap_or_default();
     let mut desired = current.clone();
     let extend_until =
-        spec.manual.as_ref().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0);
+        rec.manual().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0);
 
     // A hold made a moment ago whose Pod still looks kept: its deletion has most likely not
     // reached this leader's Pod store yet. Looked at again once that had time to settle,
@@ -240,7 +240,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             due = Some((now, ReleaseReason::WorkloadGone));
         }
     }
-    if let Some(m) = spec.manual.as_ref().filter(|m| m.action == ManualAction::Release) {
+    if let Some(m) = rec.manual().filter(|m| m.action == ManualAction::Release) {
         due = Some((m.at.0.min(now), ReleaseReason::Manual));
     }
 
@@ -327,6 +327,7 @@ pub(crate) mod tests {
             pod_gone_at: Some(MicroTime(at(secs))),
             release_at: Some(MicroTime(at(secs + 60.0))),
             pod_kept_since: None,
+            manual: None,
         })
     }
 
@@ -519,6 +520,34 @@ pub(crate) mod tests {
             at: MicroTime(at(50.0)),
             until: None,
         });
+        assert_eq!(
+            decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default()).action,
+            Action::Release { reason: ReleaseReason::Manual, due: at(50.0) }
+        );
+    }
+
+    #[test]
+    fn a_request_through_the_status_is_carried_out_and_kept_until_then_and_the_latest_request_wins() {
+        let p = policy("p", json!({}));
+        let mut r = record("10.0.0.1", "p", 0.0, gone_at(1.0));
+        let extend = ManualChange {
+            action: ManualAction::Extend,
+            by: "alice".into(),
+            at: MicroTime(at(2.0)),
+            until: Some(MicroTime(at(7200.0))),
+        };
+        r.status.as_mut().unwrap().manual = Some(extend.clone());
+        let d = decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default());
+        assert_eq!(d.status.release_at.as_ref().unwrap().0, at(7200.0));
+        assert_eq!(d.status.manual.as_ref(), Some(&extend), "the leader's status write keeps the request");
+        // An older request in the spec does not undo it; a newer one does.
+        r.spec.manual =
+            Some(ManualChange { action: ManualAction::Release, by: "bob".into(), at: MicroTime(at(1.5)), until: None });
+        assert_eq!(
+            decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default()).action,
+            Action::Wait(Some(at(7200.0)))
+        );
+        r.spec.manual.as_mut().unwrap().at = MicroTime(at(50.0));
         assert_eq!(
             decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default()).action,
             Action::Release { reason: ReleaseReason::Manual, due: at(50.0) }
