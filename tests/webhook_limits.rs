@@ -23,6 +23,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
+/// The tests here measure time and memory: one at a time, so that none is another's load.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A TLS client that trusts the CA in webhook configuration `name` (what the API server
 /// trusts).
 async fn connector(client: &Client, name: &str) -> TlsConnector {
@@ -57,6 +60,7 @@ async fn closed(mut conn: impl tokio::io::AsyncRead + Unpin) {
 
 #[tokio::test]
 async fn a_thousand_connections_that_send_no_request_are_closed_within_the_header_timeout_while_a_deletion_is_held() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (client, ns) = setup("lim-idle").await;
     let name = format!("capo-test-{}", ns.name);
     let mut settings = capo_settings(&name, &[&ns.name], None);
@@ -113,6 +117,7 @@ async fn a_thousand_connections_that_send_no_request_are_closed_within_the_heade
 
 #[tokio::test]
 async fn a_body_that_stalls_is_answered_408_within_the_reviews_deadline() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (client, ns) = setup("lim-body").await;
     let name = format!("capo-test-{}", ns.name);
     let capo = start_capo_with(&client, &ns.name, capo_settings(&name, &[&ns.name], None)).await;
@@ -244,6 +249,7 @@ fn padded_review(ns: &str, name: &str, size: usize) -> Vec<u8> {
 
 #[tokio::test]
 async fn thirty_two_concurrent_four_mib_reviews_stay_within_capos_review_memory_while_it_answers() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (client, ns) = setup("lim-rss").await;
     let capo = Capo::spawn(&ns.name).await;
     eventually("capo ready", Duration::from_secs(60), || async {
@@ -328,6 +334,7 @@ async fn thirty_two_concurrent_four_mib_reviews_stay_within_capos_review_memory_
 
 #[tokio::test]
 async fn past_the_connection_cap_a_new_connection_is_closed_at_once_and_counted() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (client, ns) = setup("lim-cap").await;
     let name = format!("capo-test-{}", ns.name);
     let mut settings = capo_settings(&name, &[&ns.name], None);
