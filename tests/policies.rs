@@ -278,19 +278,11 @@ async fn records_capo_did_not_write_never_reach_a_reservation() {
     let _one = SERIAL.lock().await;
     let (client, ns) = setup("pol-forged").await;
     let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
-    wait_leader(&capo).await;
-    let policy = format!("{}-p", ns.name);
-    apply_policy(
-        &client,
-        &policy,
-        &ns.name,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "3s", "releaseInterval": "100ms" }),
-    )
-    .await;
+    let spec =
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "3s", "releaseInterval": "100ms" });
+    let Scene { client, ns, capo, policy } = scene_with(client, ns, capo, spec).await;
     // A real hold first: the policy's reservation exists, capo-owned.
-    let real = selected_pod(&client, &ns.name, "redis-0", false).await;
-    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
-    wait_status(&client, real).await;
+    let real = held_gone_pod(&client, &ns.name, "redis-0").await;
     let records = Api::<kube::api::DynamicObject>::all_with(
         client.clone(),
         &kube::api::ApiResource::erase::<capo_api::ReservedIP>(&()),

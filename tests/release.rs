@@ -522,10 +522,7 @@ async fn at_the_cap_a_namespace_that_churns_gives_before_a_quiet_one_loses_any()
     let mut held = Vec::new();
     for (ns, n) in [(&quiet.name, 2), (&churn.name, 4)] {
         for i in 0..n {
-            let ip = selected_pod(&client, ns, &format!("redis-{i}"), false).await;
-            delete_pod(&client, ns, &format!("redis-{i}")).await.expect("deletion allowed");
-            wait_status(&client, ip).await;
-            held.push(ip);
+            held.push(held_gone_pod(&client, ns, &format!("redis-{i}")).await);
         }
     }
     let (quiet_ips, churn_ips) = held.split_at(2);
@@ -770,9 +767,7 @@ async fn an_operator_with_only_status_rights_extends_and_releases() {
         json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "releaseInterval": "100ms" }),
     )
     .await;
-    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
-    delete_pod(&client, &ns.name, "redis-0").await.expect("held");
-    wait_status(&client, ip).await;
+    let ip = held_gone_pod(&client, &ns.name, "redis-0").await;
     let user = format!("capo-test-operator-{}", ns.name);
     let role = json!({
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": { "name": user },

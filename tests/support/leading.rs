@@ -95,6 +95,15 @@ pub async fn selected_pod(client: &Client, ns: &str, name: &str, finalizer: bool
     ip
 }
 
+/// A selected Pod (`app=redis`) deleted and held: its address, once its countdown is
+/// written.
+pub async fn held_gone_pod(client: &Client, ns: &str, name: &str) -> IpAddr {
+    let ip = selected_pod(client, ns, name, false).await;
+    delete_pod(client, ns, name).await.expect("held and allowed");
+    wait_status(client, ip).await;
+    ip
+}
+
 /// A Node no kubelet or kwok runs (so nothing changes its Pods), created once: Pods bound
 /// to it are neither unscheduled nor orphaned for the Pod garbage collector. The node
 /// lifecycle controller only taints it unreachable after 40 s, and its Pods tolerate that
