@@ -655,3 +655,35 @@ async fn a_missing_namespace_gets_a_clear_error_at_start() {
     assert!(err.contains("no-such-namespace") && err.contains("does not exist"), "{err}");
     assert!(err.contains("--namespace") && err.contains("--leader-elect=false"), "{err}");
 }
+
+/// Issue 24, defect 8: a removal counts an entry as removed only when it took it out of the
+/// shard as the API server has it. A leader whose watched copy of the reservations lacks
+/// the shard (its watch not caught up) reads it fresh and removes the entry; before, it
+/// answered "nothing there" and the release slot deleted the record with the entry left
+/// in place.
+#[tokio::test]
+async fn a_removal_reads_the_shard_fresh_when_the_watched_copy_lacks_it() {
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+
+    use capo::calico::{ReservationIndex, Reservations};
+    let (client, ns) = setup("c-fresh").await;
+    let policy = format!("{}-p", ns.name);
+    let v1 = capo_api::CalicoApiGroup::CrdV1;
+    // One writer holds an address; another, whose copy of the reservations never watched
+    // anything, releases it.
+    let writer = Reservations::new(client.clone(), v1, Arc::new(ReservationIndex::default()));
+    let ip = Ips::v4();
+    let shard = writer.hold(&policy, 1, &cidr(ip)).await.expect("held");
+    assert!(policy_entries(&client, v1, &policy).await.contains(&cidr(ip)));
+    let stale = Reservations::new(client.clone(), v1, Arc::new(ReservationIndex::default()));
+    let fence = capo::leader::Fence::always(3);
+    let removed = stale.remove(v1, &shard, &BTreeSet::from([cidr(ip)]), &fence).await.expect("removed");
+    assert_eq!(removed, BTreeSet::from([cidr(ip)]), "the entry is counted as removed only because it was");
+    let entries = policy_entries(&client, v1, &policy).await;
+    assert!(!entries.contains(&cidr(ip)), "the entry is out of the shard: {entries:?}");
+    // An entry that really is not there is reported as not removed.
+    let other = Ips::v4();
+    let none = stale.remove(v1, &shard, &BTreeSet::from([cidr(other)]), &fence).await.expect("answered");
+    assert!(none.is_empty(), "{none:?}");
+}

@@ -652,8 +652,21 @@ impl Reservations {
         fence: &Fence,
     ) -> Result<BTreeSet<String>, CalicoError> {
         let group = self.index.canonical(group);
-        let Some(mut view) = self.index.get(group, name).map(|v| (*v).clone()) else {
-            return Ok(BTreeSet::new());
+        // What is removed is what the shard holds now: a watched copy that lacks the shard
+        // or one of the entries (its watch stalled, or not caught up) is not taken for its
+        // absence — that would let the caller delete records whose entries stay.
+        let watched = self.index.get(group, name).map(|v| (*v).clone());
+        let mut view = match watched {
+            Some(v) if cidrs.iter().all(|c| v.position(c).is_some()) => v,
+            _ => match self.read_owned(group, name, None).await {
+                Ok(v) => v,
+                // Gone, or not capo's: nothing of capo's there to remove.
+                Err(CalicoError::Api(e)) if matches!(&*e, KubeError::Api(s) if s.code == 404) => {
+                    return Ok(BTreeSet::new());
+                }
+                Err(CalicoError::NotOwned { .. }) => return Ok(BTreeSet::new()),
+                Err(e) => return Err(e),
+            },
         };
         for attempt in 0..ATTEMPTS {
             fence.check()?;
