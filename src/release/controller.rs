@@ -1264,6 +1264,8 @@ impl Ctx {
             return Ok(());
         }
         if pod.is_some_and(|pod| pod.uid == p.uid) {
+            // A replica that lost the Lease marks nothing (like every other leader write).
+            self.fence.check()?;
             marks::mark(&self.client, &p.namespace, &p.name, &p.uid, RELEASED_ANNOTATION, l.reason.as_str())
                 .await
                 .map_err(|source| ReleaseError::Mark { pod: format!("{}/{}", p.namespace, p.name), source })?;
