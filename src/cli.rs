@@ -389,10 +389,7 @@ impl Args {
                     idle_timeout: self.webhook_idle_timeout.as_std(),
                     max_connections: self.webhook_max_connections as usize,
                 },
-                reviews: ReviewLimits {
-                    bytes_in_flight: (self.review_memory_mib as usize) << 20,
-                    ..Default::default()
-                },
+                reviews: ReviewLimits { bytes_in_flight: (self.review_memory_mib as usize) << 20 },
             },
             caller_auth: crate::caller_auth::CallerAuth {
                 client_ca_file: self.webhook_client_ca_file.clone(),

@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::handler::MAX_REVIEW_BYTES;
+
 /// Reviews larger than this take the large lane.
 pub const LARGE_REVIEW_BYTES: usize = 256 << 10;
 
@@ -19,13 +21,11 @@ pub const LARGE_REVIEW_BYTES: usize = 256 << 10;
 pub struct ReviewLimits {
     /// The bytes of review bodies held at once, both lanes together.
     pub bytes_in_flight: usize,
-    /// The largest review read; a body of unknown length reserves this much.
-    pub max_review_bytes: usize,
 }
 
 impl Default for ReviewLimits {
     fn default() -> Self {
-        Self { bytes_in_flight: 64 << 20, max_review_bytes: super::handler::MAX_REVIEW_BYTES }
+        Self { bytes_in_flight: 64 << 20 }
     }
 }
 
@@ -37,7 +37,6 @@ pub struct Intake {
     large: Arc<Semaphore>,
     /// Each lane's size, in units.
     lane: usize,
-    max_review_bytes: usize,
 }
 
 /// The room a review holds while it is read and answered.
@@ -59,17 +58,13 @@ pub struct Busy {
 impl Intake {
     pub fn new(limits: &ReviewLimits) -> Self {
         let lane = (limits.bytes_in_flight / 2 / UNIT).max(1);
-        Self {
-            small: Arc::new(Semaphore::new(lane)),
-            large: Arc::new(Semaphore::new(lane)),
-            lane,
-            max_review_bytes: limits.max_review_bytes,
-        }
+        Self { small: Arc::new(Semaphore::new(lane)), large: Arc::new(Semaphore::new(lane)), lane }
     }
 
-    /// Reserves room for a body of `length` bytes (`None`: not announced).
+    /// Reserves room for a body of `length` bytes (`None`: not announced, so as much as
+    /// the largest review capo reads).
     pub fn admit(&self, length: Option<usize>) -> Result<Admitted, Busy> {
-        let bytes = length.unwrap_or(self.max_review_bytes).min(self.max_review_bytes);
+        let bytes = length.unwrap_or(MAX_REVIEW_BYTES).min(MAX_REVIEW_BYTES);
         let (name, lane) = match length {
             Some(n) if n <= LARGE_REVIEW_BYTES => ("small", &self.small),
             _ => ("large", &self.large),
@@ -89,7 +84,7 @@ mod tests {
     use super::*;
 
     fn intake(bytes_in_flight: usize) -> Intake {
-        Intake::new(&ReviewLimits { bytes_in_flight, max_review_bytes: 4 << 20 })
+        Intake::new(&ReviewLimits { bytes_in_flight })
     }
 
     #[test]
