@@ -314,7 +314,14 @@ async fn thirty_two_concurrent_four_mib_reviews_stay_within_capos_review_memory_
         answers.iter().filter(|(code, _)| *code == 200).count(),
         answers.iter().map(|(_, t)| *t).max().unwrap(),
     );
-    assert!(answers.iter().all(|(code, _)| *code == 200 || *code == 429), "{answers:?}");
+    // A shed review is answered 429 before its body is read; a client still sending 4 MiB
+    // may see the connection close under it instead of the answer (0 here: no status).
+    // Either way it is refused at once, well inside the review's deadline.
+    assert!(answers.iter().all(|(code, _)| [200, 429, 0].contains(code)), "{answers:?}");
+    assert!(
+        answers.iter().filter(|(code, _)| *code != 200).all(|(_, t)| *t < Duration::from_secs(5)),
+        "refused at once: {answers:?}"
+    );
     if probes == 0 {
         // The flood was over before the first probe: the deletion is still held after it.
         delete_pod(&client, &ns.name, "zk-0").await.expect("deletion allowed");
