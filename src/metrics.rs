@@ -188,6 +188,9 @@ pub struct ReleaseMetrics {
     pub safety_net_lost_races: IntCounterVec,
     /// Pods the safety net remembers having dealt with (at most the Pods that exist).
     pub safety_net_remembered: prometheus::IntGauge,
+    /// Kinds of Pod owners the leader watches, by state (watched, starting, unavailable:
+    /// not served, or capo may not list them — their owners count as present).
+    pub owner_kinds: IntGaugeVec,
     /// Per Calico IP pool (set by the leader's pool guard).
     pub pools: PoolMetrics,
 }
@@ -284,7 +287,17 @@ impl ReleaseMetrics {
         )
         .expect("static metric");
         registry.register(Box::new(safety_net_remembered.clone())).expect("unique metric");
+        let owner_kinds = IntGaugeVec::new(
+            Opts::new(
+                "owner_kinds",
+                "Kinds of Pod owners the leader watches, by state (watched, starting, unavailable).",
+            ),
+            &["state"],
+        )
+        .expect("static metric");
+        registry.register(Box::new(owner_kinds.clone())).expect("unique metric");
         Self {
+            owner_kinds,
             held: gauge("held_ips", "IPs held now, by policy (set by the leader)."),
             max_reserved: gauge("max_reserved", "The policy's maxReserved."),
             oldest_age,

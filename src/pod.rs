@@ -14,8 +14,8 @@ pub struct PodFacts {
     pub labels: capo_api::Labels,
     /// Only capo's own annotations (`capo.io/...`) are kept.
     pub annotations: BTreeMap<String, String>,
-    /// The controller owner reference: (kind, name).
-    pub controller: Option<(String, String)>,
+    /// The controlling owner reference.
+    pub controller: Option<capo_api::ControllerRef>,
     pub node: Option<String>,
     pub host_network: bool,
     /// Every IP in `status.podIPs` (both families when dual-stack), deduplicated.
@@ -75,9 +75,22 @@ struct MetaWire {
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase", default)]
 struct OwnerWire {
+    api_version: String,
     kind: String,
     name: String,
+    uid: String,
     controller: Option<bool>,
+}
+
+impl OwnerWire {
+    fn into_ref(self) -> capo_api::ControllerRef {
+        capo_api::ControllerRef {
+            api_version: Some(self.api_version).filter(|v| !v.is_empty()),
+            kind: self.kind,
+            name: self.name,
+            uid: Some(self.uid).filter(|u| !u.is_empty()),
+        }
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -174,12 +187,14 @@ impl PodFacts {
             uid: meta.uid.clone().unwrap_or_default(),
             labels: meta.labels.clone().unwrap_or_default().into(),
             annotations: capo_annotations(meta.annotations.iter().flatten().map(|(k, v)| (k.clone(), v.clone()))),
-            controller: meta
-                .owner_references
-                .iter()
-                .flatten()
-                .find(|o| o.controller == Some(true))
-                .map(|o| (o.kind.clone(), o.name.clone())),
+            controller: meta.owner_references.iter().flatten().find(|o| o.controller == Some(true)).map(|o| {
+                capo_api::ControllerRef {
+                    api_version: Some(o.api_version.clone()).filter(|v| !v.is_empty()),
+                    kind: o.kind.clone(),
+                    name: o.name.clone(),
+                    uid: Some(o.uid.clone()).filter(|u| !u.is_empty()),
+                }
+            }),
             node: spec.and_then(|s| s.node_name.clone()).filter(|n| !n.is_empty()),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             ips: parse_ips(listed.chain(single)),
@@ -192,7 +207,7 @@ impl PodFacts {
         let listed = w.status.pod_ips.iter().map(|p| p.ip.as_str());
         let ips = parse_ips(listed.chain(w.status.pod_ip.as_deref()));
         let controller =
-            w.metadata.owner_references.into_iter().find(|o| o.controller == Some(true)).map(|o| (o.kind, o.name));
+            w.metadata.owner_references.into_iter().find(|o| o.controller == Some(true)).map(OwnerWire::into_ref);
         Self {
             namespace: w.metadata.namespace,
             name: w.metadata.name,
@@ -279,7 +294,10 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(pod.ips, vec!["10.0.0.1".parse::<IpAddr>().unwrap(), "fd00::1".parse().unwrap()]);
-        assert_eq!(pod.controller, Some(("StatefulSet".into(), "r".into())));
+        let owner = pod.controller.as_ref().expect("the controller");
+        assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("StatefulSet", "r"));
+        assert_eq!(owner.group_kind(), Some(("apps".into(), "StatefulSet".into())));
+        assert_eq!(owner.uid.as_deref(), Some("2"));
         assert_eq!(pod.annotations.len(), 1, "only capo.io annotations are kept");
         assert_eq!(pod.node.as_deref(), Some("n1"));
         assert!(!pod.host_network && !pod.deleting);

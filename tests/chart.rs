@@ -51,6 +51,8 @@ const EVERY_OPTION: &[&str] = &[
     "networkPolicy.enabled=true",
     "--set",
     "webhook.auth.clientCASecret=capo-webhook-client-ca,webhook.auth.tokenSecret=capo-webhook-token",
+    "--set-json",
+    r#"ownerKinds=[{"apiGroup":"apps.kruise.io","resources":["statefulsets","clonesets"]}]"#,
 ];
 
 /// The RBAC objects of a rendering, by kind and name, with their rules.
@@ -339,6 +341,25 @@ fn values_are_validated_by_the_schema() {
         &serde_json::json!(["kube-system", "capo-system", "redis-system"]),
         "kube-system and the release namespace always"
     );
+    let role = find(&all, "ClusterRole", "capo");
+    let kruise =
+        role["rules"].as_array().unwrap().iter().find(|r| r["apiGroups"] == serde_json::json!(["apps.kruise.io"]));
+    assert_eq!(
+        kruise.map(|r| (&r["resources"], &r["verbs"])),
+        Some((&serde_json::json!(["statefulsets", "clonesets"]), &serde_json::json!(["list", "watch"]))),
+        "ownerKinds become list and watch rights"
+    );
+    let out = Command::new(helm())
+        .args([
+            "template",
+            "capo",
+            repo("charts/capo").to_str().unwrap(),
+            "--set-json",
+            r#"ownerKinds=[{"apiGroup":"x"}]"#,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an ownerKinds entry without resources is refused");
 }
 
 /// `webhook.auth`: the client CA and the token are mounted from their Secrets where the

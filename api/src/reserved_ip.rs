@@ -112,10 +112,40 @@ pub struct PodRef {
     pub controller: Option<ControllerRef>,
 }
 
+/// A Pod's controlling owner, as its owner reference names it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct ControllerRef {
+    /// e.g. `apps/v1`, or `apps.kruise.io/v1beta1` for an OpenKruise Advanced
+    /// StatefulSet. Older records lack it: `apps` is assumed for that group's kinds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 317))]
+    pub api_version: Option<String>,
+    #[schemars(length(max = 63))]
     pub kind: String,
+    #[schemars(length(max = 253))]
     pub name: String,
+    /// The owner's UID: an owner deleted and created again under the same name is
+    /// another owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub uid: Option<String>,
+}
+
+/// Kinds of the `apps` group a record written without `apiVersion` may name.
+const APPS_KINDS: [&str; 4] = ["StatefulSet", "ReplicaSet", "DaemonSet", "Deployment"];
+
+impl ControllerRef {
+    /// The owner's API group and kind; `None` when the record does not say its group and
+    /// the kind is not one of the `apps` group's.
+    pub fn group_kind(&self) -> Option<(String, String)> {
+        let group = match &self.api_version {
+            Some(v) => v.rsplit_once('/').map_or("", |(g, _)| g).to_string(),
+            None if APPS_KINDS.contains(&self.kind.as_str()) => "apps".to_string(),
+            None => return None,
+        };
+        Some((group, self.kind.clone()))
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -197,11 +197,7 @@ impl HoldWriter {
                 name: req.pod.name.clone(),
                 uid: req.pod.uid.clone(),
                 node: req.pod.node.clone(),
-                controller: req
-                    .pod
-                    .controller
-                    .as_ref()
-                    .map(|(kind, name)| capo_api::ControllerRef { kind: kind.clone(), name: name.clone() }),
+                controller: req.pod.controller.clone(),
             },
             trigger: req.trigger,
             reserved_at: MicroTime(k8s_openapi::jiff::Timestamp::now()),

@@ -129,6 +129,10 @@ impl SafetyNet {
             self.forget(namespace, name);
             return Ok(Outcome::Nothing);
         };
+        // Its owner's kind is watched before the Pod leaves, so the answer is ready then.
+        if let Some(owner) = &pod.controller {
+            self.workloads.note(owner);
+        }
         if self.done.lock().expect("safety net lock").get(&key) == Some(&pod.uid) {
             return Ok(Outcome::Nothing);
         }
@@ -141,8 +145,7 @@ impl SafetyNet {
             return Ok(Outcome::Nothing);
         }
         let Some(ns) = self.namespaces.get(namespace) else { return Ok(Outcome::Nothing) };
-        let owner =
-            pod.controller.as_ref().map_or(Owner::Unknown, |(kind, n)| self.workloads.owner(namespace, kind, n));
+        let owner = pod.controller.as_ref().map_or(Owner::Unknown, |c| self.workloads.owner(namespace, c));
         let plan = match decide(&self.matcher.load(), &pod, &ns, Origin::SafetyNet { owner }, &self.excluded) {
             Decision::Skip(reason) => {
                 self.metrics.release.safety_net_skipped.with_label_values(&[reason.as_str()]).inc();

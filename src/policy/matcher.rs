@@ -147,7 +147,7 @@ impl Matcher {
 /// Whether `pod`'s controller is the workload `w` (a Deployment through its ReplicaSet,
 /// whose name is the Deployment's plus the Pod's `pod-template-hash`).
 fn controlled_by(pod: &PodFacts, w: &WorkloadRef) -> bool {
-    let Some((kind, name)) = &pod.controller else {
+    let Some(capo_api::ControllerRef { kind, name, .. }) = &pod.controller else {
         return false;
     };
     if w.namespace != pod.namespace {

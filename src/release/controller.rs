@@ -41,7 +41,7 @@ use crate::metrics::Metrics;
 use crate::policy::{CompiledPolicy, SharedMatcher};
 use crate::store::pods::PodEvent;
 use crate::store::records::RecordEvent;
-use crate::store::workloads::Owner;
+use crate::store::workloads::{Owner, WorkloadEvent};
 use crate::store::{NamespaceStore, PodStore, RecordIndex, WorkloadStore};
 
 /// The default of `--max-pool-share`: capo's holds may take at most half of a pool's
@@ -282,7 +282,7 @@ impl ReleaseEngine {
     /// Runs until this replica stops leading.
     pub async fn run(&self, fence: Fence) {
         let records = Arc::new(RecordIndex::default());
-        let workloads = Arc::new(WorkloadStore::default());
+        let workloads = Arc::new(WorkloadStore::new(Some(self.metrics.release.owner_kinds.clone())));
         let mut tasks = vec![tokio::spawn(records.clone().watch(self.client.clone()))];
         tasks.extend(workloads.watch(&self.client));
         let pools = self.pool_guard(&mut tasks).await;
@@ -390,7 +390,7 @@ impl Drop for AbortOnDrop {
 struct Receivers {
     pods: broadcast::Receiver<PodEvent>,
     namespaces: broadcast::Receiver<String>,
-    workloads: broadcast::Receiver<(String, String, String)>,
+    workloads: broadcast::Receiver<WorkloadEvent>,
     records: broadcast::Receiver<RecordEvent>,
     index: broadcast::Receiver<IndexEvent>,
     policies: broadcast::Receiver<()>,
@@ -560,9 +560,15 @@ impl Ctx {
                     None => return,
                 },
                 e = rx.workloads.recv() => match got(e) {
-                    Some(Some((ns, kind, name))) => {
+                    Some(Some(WorkloadEvent::Changed((ns, kind, name)))) => {
                         for r in self.records.for_controller(&ns, &kind, &name) {
                             self.queue.add(Key::Record(r));
+                        }
+                    }
+                    Some(Some(WorkloadEvent::Listed { kind })) => {
+                        let owned = |r: &capo_api::ReservedIP| r.spec.pod.controller.as_ref().is_some_and(|c| c.kind == kind);
+                        for r in self.records.matching(owned) {
+                            self.queue.add(Key::Record(r.name_any()));
                         }
                     }
                     Some(None) => self.enqueue_everything(),
@@ -695,11 +701,7 @@ impl Ctx {
     }
 
     fn owner_of(&self, rec: &capo_api::ReservedIP) -> Owner {
-        rec.spec
-            .pod
-            .controller
-            .as_ref()
-            .map_or(Owner::Unknown, |c| self.workloads.owner(&rec.spec.pod.namespace, &c.kind, &c.name))
+        rec.spec.pod.controller.as_ref().map_or(Owner::Unknown, |c| self.workloads.owner(&rec.spec.pod.namespace, c))
     }
 
     /// One hold: its countdown, and its release, write-back or drop when due.

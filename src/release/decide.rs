@@ -311,7 +311,12 @@ pub(crate) mod tests {
                     name: format!("pod-{ip}"),
                     uid: format!("pod-uid-{ip}"),
                     node: None,
-                    controller: Some(capo_api::ControllerRef { kind: "StatefulSet".into(), name: "redis".into() }),
+                    controller: Some(capo_api::ControllerRef {
+                        api_version: Some("apps/v1".into()),
+                        kind: "StatefulSet".into(),
+                        name: "redis".into(),
+                        uid: None,
+                    }),
                 },
                 trigger: HoldTrigger::Delete,
                 reserved_at: MicroTime(at(reserved)),
