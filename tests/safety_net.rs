@@ -6,6 +6,7 @@ mod support;
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::json;
@@ -44,6 +45,29 @@ async fn the_safety_nets_memory_of_leaving_pods_no_policy_selects_goes_with_the_
     assert_eq!(seen, PODS as f64);
     let skipped = metric_value(&capo, "capo_safety_net_skipped_total{reason=\"not_selected\"}").unwrap_or_default();
     assert!(skipped >= PODS as f64, "each skipped as not selected: {skipped}");
+    // Another replica takes the Lease: this one's term ends, and with it what its safety
+    // net remembered (a follower looks at nothing; the next term looks at every Pod again).
+    let lease = format!("capo-{}", ns.name);
+    let taken = json!({ "spec": {
+        "holderIdentity": "another-replica",
+        "leaseDurationSeconds": 15,
+        "renewTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now()),
+    } });
+    Api::<Lease>::namespaced(client.clone(), "default")
+        .patch(&lease, &PatchParams::default(), &Patch::Merge(taken))
+        .await
+        .expect("take the Lease");
+    let fence = capo.fence.clone().expect("release on");
+    eventually("a term that ended to forget what it remembered", Duration::from_secs(20), || async {
+        (!fence.is_leader() && metric_value(&capo, gauge) == Some(0.0)).then_some(())
+    })
+    .await;
+    // The other replica is gone: this one leads again, and looks at every finished Pod.
+    wait_leader(&capo).await;
+    eventually("the new term to look at every finished Pod", Duration::from_secs(60), || async {
+        metric_value(&capo, gauge).filter(|v| *v >= PODS as f64)
+    })
+    .await;
     // They go: so does the memory of them.
     futures::stream::iter(0..PODS)
         .for_each_concurrent(16, |i| {

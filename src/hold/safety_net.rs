@@ -111,10 +111,23 @@ impl SafetyNet {
         self.metrics.release.safety_net_remembered.set(done.len() as i64);
     }
 
+    /// Remembers a Pod looked at, while the store still has it: a Pod that left meanwhile
+    /// (its `forget` may have run already) is not remembered for ever. The store drops a Pod
+    /// before it announces the change, and `forget` takes this lock, so either this sees it
+    /// gone or `forget` comes after.
     fn remember(&self, key: (String, String), uid: String) {
         let mut done = self.done.lock().expect("safety net lock");
-        done.insert(key, uid);
+        if self.pods.get(&key.0, &key.1).is_some_and(|p| p.uid == uid) {
+            done.insert(key, uid);
+        }
         self.metrics.release.safety_net_remembered.set(done.len() as i64);
+    }
+
+    /// Forgets everything when the term ends: a follower looks at nothing, and a gauge left
+    /// at the last term's count would outlive what it measured.
+    pub fn clear(&self) {
+        self.done.lock().expect("safety net lock").clear();
+        self.metrics.release.safety_net_remembered.set(0);
     }
 
     /// Whether a record holds `ip`, and for which Pod UID.

@@ -366,9 +366,11 @@ impl ReleaseEngine {
         info!(records = records.all_names().len(), "leader: release controller running");
         let pump = tokio::spawn(ctx.clone().pump(rx));
         let workers: Vec<_> = (0..self.settings.workers.max(1)).map(|_| tokio::spawn(ctx.clone().work())).collect();
-        let _stop = AbortOnDrop(workers.into_iter().chain([pump]).collect());
+        let stop = AbortOnDrop(workers.into_iter().chain([pump]).collect());
         fence.lost().await;
         ctx.queue.close();
+        drop(stop);
+        ctx.net.clear();
         // A follower reports no pools: a stale gauge would outlive what it measured.
         for p in ctx.pools.iter().flat_map(|s| s.pools()) {
             self.metrics.release.pools.forget(&p.name);
