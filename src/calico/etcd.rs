@@ -34,6 +34,11 @@ use tracing::{debug, info, warn};
 const UNREACHABLE_FOR: Duration = Duration::from_secs(6);
 /// How long one request (not a watch) may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// A watch that hears nothing for this long is checked: its member must answer a
+/// linearizable read (which needs a leader and a quorum) within [`PROBE_TIMEOUT`], or the
+/// watch is dropped and the prefix listed and watched again at the next member.
+const WATCH_IDLE: Duration = Duration::from_secs(10);
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Where Calico's etcd is and how to reach it: Calico's `ETCD_ENDPOINTS`,
 /// `ETCD_CA_CERT_FILE`, `ETCD_CERT_FILE` and `ETCD_KEY_FILE`.
@@ -330,6 +335,10 @@ impl Etcd {
     ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
         let request = hyper::Request::post(format!("{endpoint}{path}"))
             .header(hyper::header::CONTENT_TYPE, "application/json")
+            // gRPC metadata `hasleader: true` through the gateway: a member that has lost
+            // its leader refuses the request, and cancels a watch, instead of serving
+            // what it last knew.
+            .header("Grpc-Metadata-hasleader", "true")
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| e.to_string())?;
         self.http.load_full().request(request).await.map_err(|e| {
@@ -491,23 +500,40 @@ impl Etcd {
             "range_end": b64(&prefix_end(prefix)),
             "start_revision": start.to_string(),
         }});
-        let endpoint = &self.endpoints[self.current.load(Ordering::Relaxed) % self.endpoints.len()];
-        let response = self.send(endpoint, "/v3/watch", &body).await.map_err(|message| EtcdError::Unreachable {
-            op,
-            endpoints: endpoint.clone(),
-            message,
-        })?;
+        let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
+        let endpoint = &self.endpoints[at];
+        let unreachable = |message: String| {
+            // The next list and watch go to the next member.
+            let _ = self.current.compare_exchange(
+                at,
+                (at + 1) % self.endpoints.len(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            EtcdError::Unreachable { op, endpoints: endpoint.clone(), message }
+        };
+        let response = tokio::time::timeout(REQUEST_TIMEOUT, self.send(endpoint, "/v3/watch", &body))
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {REQUEST_TIMEOUT:?}")))
+            .map_err(&unreachable)?;
         if !response.status().is_success() {
             return Err(EtcdError::Refused { op, message: format!("HTTP {}", response.status()) });
         }
         let mut body = response.into_body();
         let mut buffer: Vec<u8> = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| EtcdError::Unreachable {
-                op,
-                endpoints: endpoint.clone(),
-                message: e.to_string(),
-            })?;
+        loop {
+            let frame = match tokio::time::timeout(WATCH_IDLE, body.frame()).await {
+                Ok(Some(frame)) => frame.map_err(|e| unreachable(e.to_string()))?,
+                Ok(None) => break,
+                Err(_) => {
+                    // Silence: nothing changed, or the member is cut off and its watch stale.
+                    if let Err(message) = self.probe(endpoint, prefix).await {
+                        warn!(endpoint, prefix, error = %message, "an etcd watch went silent and its member does not answer; watching at the next member");
+                        return Err(unreachable(format!("silent for {WATCH_IDLE:?}, and {message}")));
+                    }
+                    continue;
+                }
+            };
             let Ok(data) = frame.into_data() else { continue };
             buffer.extend_from_slice(&data);
             let mut consumed = 0;
@@ -528,7 +554,22 @@ impl Etcd {
             }
             buffer.drain(..consumed);
         }
-        Err(EtcdError::Unreachable { op, endpoints: endpoint.clone(), message: "the watch ended".into() })
+        Err(unreachable("the watch ended".into()))
+    }
+
+    /// A linearizable read of `prefix` (count only) at `endpoint`: it answers only with a
+    /// leader and a quorum behind it.
+    async fn probe(&self, endpoint: &str, prefix: &str) -> Result<(), String> {
+        let body = json!({ "key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix)), "count_only": true });
+        let answer = tokio::time::timeout(PROBE_TIMEOUT, async {
+            let response = self.send(endpoint, "/v3/kv/range", &body).await?;
+            let status = response.status();
+            let _ = response.into_body().collect().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(status)
+        })
+        .await
+        .unwrap_or_else(|_| Err(format!("a linearizable read got no answer within {PROBE_TIMEOUT:?}")))?;
+        if answer.is_success() { Ok(()) } else { Err(format!("a linearizable read was refused (HTTP {answer})")) }
     }
 }
 

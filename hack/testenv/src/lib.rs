@@ -14,6 +14,7 @@
 pub mod argocd;
 mod binaries;
 mod calico_apiserver;
+mod etcd_cluster;
 mod kubeconfig;
 mod nodes;
 mod pki;
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 use kube::Client;
 
 pub use binaries::{locate_calico_apiserver, locate_calico_ipam};
+pub use etcd_cluster::EtcdCluster;
 pub use nodes::{KWOK_NODE_ANNOTATION, node_names};
 use process::Component;
 
