@@ -163,16 +163,17 @@ async fn a_removal_through_a_copy_behind_a_silent_member_removes_what_the_shard_
 }
 
 /// A leading capo on the etcd datastore follows the reservations through member 0, which
-/// stops answering; another replica (its writer on member 1) takes an address meanwhile,
-/// with no record (a webhook whose record write failed). The leader adopts it: the record
-/// appears, counting down, within the watch's bound plus the repair's own pace. On the
-/// code before, the leader's watch stayed silent and the entry was never adopted.
+/// is cut off from its peers (a partition: it still answers its clients, and on the code
+/// before it kept capo's watch open and silent); another replica (its writer on member 1)
+/// takes an address meanwhile, with no record (a webhook whose record write failed). The
+/// leader adopts it: the record appears, counting down, within the watch's bound plus the
+/// repair's own pace. On the code before, the entry was never adopted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_behind_a_silent_member_adopts_an_entry_taken_through_another() {
+async fn a_leader_behind_a_member_cut_off_from_its_peers_adopts_an_entry_taken_through_another() {
     use std::sync::Arc;
 
     use capo::calico::{Datastore, ReservationIndex, Reservations};
-    let dir = std::env::temp_dir().join(format!("capo-etcd-adopt-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("capo-etcd-cut-{}", std::process::id()));
     let cluster = capo_testenv::EtcdCluster::start(&dir, 3).await.expect("a three-member etcd");
     let endpoints = cluster.endpoints().to_vec();
     let (client, ns) = setup("etcd-adopt").await;
@@ -211,14 +212,14 @@ async fn a_leader_behind_a_silent_member_adopts_an_entry_taken_through_another()
     let r = eventually("the first entry adopted", Duration::from_secs(30), adopted(first)).await;
     assert_eq!(r.spec.trigger, capo_api::HoldTrigger::Adopted);
 
-    cluster.pause(0);
-    let paused = Instant::now();
+    cluster.isolate(0);
+    let cut = Instant::now();
     let late = Ips::v4();
     other.hold(&policy, 1, &cidr(late)).await.expect("held through member 1");
     let r = eventually("the entry taken through member 1 adopted", Duration::from_secs(60), adopted(late)).await;
-    let after = paused.elapsed();
-    eprintln!("adopted {after:.1?} after member 0 was paused");
+    let after = cut.elapsed();
+    eprintln!("adopted {after:.1?} after member 0 was cut off from its peers");
     assert_eq!(r.spec.trigger, capo_api::HoldTrigger::Adopted);
     assert_eq!(r.spec.policy, policy);
-    cluster.resume(0);
+    cluster.heal(0);
 }
