@@ -176,7 +176,17 @@ impl App {
             let index = index.clone();
             Arc::new(move || index.all().values().filter_map(|(_, v)| v.epoch).max().unwrap_or(0))
         };
-        let (election, fence) = elect(&settings, &leader_client, &index, &watched, floor).await?;
+        let (election, fence) = elect(&settings, &leader_client, &index, &watched, floor.clone()).await?;
+        // A shard the webhook creates starts with the newest epoch this replica knows, so
+        // that a leader deposed before it cannot write it.
+        let epoch_seen: crate::leader::EpochFloor = {
+            let lease = election.as_ref().map(Election::epoch_seen);
+            let fence = fence.clone();
+            Arc::new(move || {
+                let lease = lease.as_ref().map_or(0, |l| l());
+                floor().max(lease).max(fence.as_ref().map_or(0, Fence::epoch))
+            })
+        };
         let (policy_changes, _) = tokio::sync::broadcast::channel(64);
         tasks.push(tokio::spawn(
             PolicyController::new(
@@ -195,7 +205,8 @@ impl App {
 
         let restored = metrics.release.repairs.with_label_values(&["labels_restored"]);
         let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone())
-            .counting_restores(restored.clone());
+            .counting_restores(restored.clone())
+            .with_epoch_seen(epoch_seen);
         let pools = watch_pools(&client, &calico, &mut tasks).await;
         let admission = Admission::new(
             matcher.clone(),

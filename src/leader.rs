@@ -208,6 +208,7 @@ impl Seen {
 /// The running election: the fence, and what to stop on shutdown.
 pub struct Election {
     pub fence: Fence,
+    seen: Arc<Mutex<Seen>>,
     stop: Arc<Notify>,
     task: JoinHandle<()>,
     watch: JoinHandle<()>,
@@ -250,11 +251,29 @@ impl Election {
         let stop = Arc::new(Notify::new());
         let watch = tokio::spawn(watch_lease(api.clone(), settings.clone(), seen.clone(), news.clone()));
         let task = tokio::spawn(
-            Campaign { api, settings: settings.clone(), fence: fence.clone(), seen, news, stop: stop.clone(), floor }
-                .run(),
+            Campaign {
+                api,
+                settings: settings.clone(),
+                fence: fence.clone(),
+                seen: seen.clone(),
+                news,
+                stop: stop.clone(),
+                floor,
+            }
+            .run(),
         );
         info!(lease = %settings.lease_name, namespace = %settings.namespace, identity = %settings.identity, "leader election started");
-        Ok(Election { fence, stop, task, watch })
+        Ok(Election { fence, seen, stop, task, watch })
+    }
+
+    /// The epoch of the newest Lease this replica has seen (its `leaseTransitions`, which
+    /// each acquisition raises): the current leader's, as far as this replica knows.
+    pub fn epoch_seen(&self) -> EpochFloor {
+        let seen = self.seen.clone();
+        Arc::new(move || {
+            let s = seen.lock().expect("lease lock");
+            s.lease.as_ref().and_then(|l| l.spec.as_ref()?.lease_transitions).map_or(0, |t| t.max(0) as u64)
+        })
     }
 
     /// Gives the Lease up (another replica takes over at once) and stops.

@@ -687,3 +687,67 @@ async fn a_removal_reads_the_shard_fresh_when_the_watched_copy_lacks_it() {
     let none = stale.remove(v1, &shard, &BTreeSet::from([cidr(other)]), &fence).await.expect("answered");
     assert!(none.is_empty(), "{none:?}");
 }
+
+/// Issue 24 defect 8: a shard the webhook creates starts with the leader's epoch (the
+/// Lease's `leaseTransitions` as the webhook's replica last saw it), so a leader deposed
+/// before it cannot write it — checked on a policy this leader does not act on, whose
+/// shard no leader write touches; and a shard that appears with a lower epoch (created by
+/// a writer that had not seen the new Lease) is raised by the leader at once. On the code
+/// before, the webhook created shards with epoch 0 and they stayed so until the leader's
+/// first removal from them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_the_webhook_creates_starts_with_the_leaders_epoch() {
+    use std::sync::Arc;
+
+    use capo::calico::{ReservationIndex, Reservations};
+    use capo_api::keys::{LEADER_EPOCH_ANNOTATION, POLICY_LABEL};
+    use futures::StreamExt;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let Scene { client, ns, capo, .. } = scene("c-epoch", Duration::from_secs(600), spec(NET_POLICY)).await;
+    let lease = Api::<Lease>::namespaced(client.clone(), "default").get(&format!("capo-{}", ns.name)).await.unwrap();
+    let epoch = lease.spec.and_then(|s| s.lease_transitions).expect("the leader's epoch");
+    assert!(epoch > 0);
+    let shards = Api::<DynamicObject>::all_with(client.clone(), &V1.ip_reservation());
+    let epoch_of = |o: &DynamicObject| o.annotations().get(LEADER_EPOCH_ANNOTATION).cloned().unwrap_or_default();
+    // A policy this leader does not act on (its name lacks the test's prefix), so that no
+    // leader write touches its shard: the shard stays as the webhook created it.
+    let untouched = format!("z-{}", ns.name);
+    let kafka = json!({
+        "podSelector": { "matchLabels": { "app": "kafka" } },
+        "namespaceSelector": { "matchLabels": { "kubernetes.io/metadata.name": ns.name } },
+        "reserveFor": "1h",
+    });
+    try_apply_policy(&client, &untouched, kafka).await.expect("apply");
+    eventually("the webhook to know the policy", Duration::from_secs(20), || async {
+        capo.matcher.load().policies().iter().any(|p| p.name == untouched).then_some(())
+    })
+    .await;
+    let ip = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("kafka-0", &[("app", "kafka")], &[]), &[ip]).await;
+    delete_pod(&client, &ns.name, "kafka-0").await.expect("held and allowed");
+    let rec =
+        eventually("the kafka-0 hold recorded", Duration::from_secs(10), || async { record(&client, ip).await }).await;
+    assert_eq!(rec.spec.policy, untouched);
+    let created = shards.get(&rec.spec.reservation).await.expect("the policy's shard");
+    assert_eq!(epoch_of(&created), epoch.to_string(), "{} as the webhook created it", created.name_any());
+
+    // A writer that knows no epoch creates another policy's shard: the leader raises it.
+    let other = format!("{}-q", ns.name);
+    let blind = Reservations::new(client.clone(), V1, Arc::new(ReservationIndex::default()));
+    let name = blind.hold(&other, 1, &cidr(Ips::v4())).await.expect("held");
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = Box::pin(watcher(shards.clone(), config).applied_objects());
+    let raised = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(o) = stream.next().await {
+            let o = o.unwrap();
+            if epoch_of(&o) == epoch.to_string() {
+                return o;
+            }
+        }
+        panic!("the watch ended");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the leader did not raise {name} to epoch {epoch} within 10 s"));
+    assert_eq!(raised.labels().get(POLICY_LABEL), Some(&other));
+}

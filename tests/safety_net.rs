@@ -45,20 +45,22 @@ async fn the_safety_nets_memory_of_leaving_pods_no_policy_selects_goes_with_the_
     assert_eq!(seen, PODS as f64);
     let skipped = metric_value(&capo, "capo_safety_net_skipped_total{reason=\"not_selected\"}").unwrap_or_default();
     assert!(skipped >= PODS as f64, "each skipped as not selected: {skipped}");
-    // Another replica takes the Lease: this one's term ends, and with it what its safety
-    // net remembered (a follower looks at nothing; the next term looks at every Pod again).
+    // Another replica takes the Lease, and renews it while the test looks: this one's term
+    // ends, and with it what its safety net remembered (a follower looks at nothing; the
+    // next term looks at every Pod again).
+    let leases = Api::<Lease>::namespaced(client.clone(), "default");
     let lease = format!("capo-{}", ns.name);
-    let taken = json!({ "spec": {
-        "holderIdentity": "another-replica",
-        "leaseDurationSeconds": 15,
-        "renewTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now()),
-    } });
-    Api::<Lease>::namespaced(client.clone(), "default")
-        .patch(&lease, &PatchParams::default(), &Patch::Merge(taken))
-        .await
-        .expect("take the Lease");
+    let other_renews = || async {
+        let taken = json!({ "spec": {
+            "holderIdentity": "another-replica",
+            "leaseDurationSeconds": 3,
+            "renewTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now()),
+        } });
+        leases.patch(&lease, &PatchParams::default(), &Patch::Merge(taken)).await.expect("the other replica renews");
+    };
     let fence = capo.fence.clone().expect("release on");
     eventually("a term that ended to forget what it remembered", Duration::from_secs(20), || async {
+        other_renews().await;
         (!fence.is_leader() && metric_value(&capo, gauge) == Some(0.0)).then_some(())
     })
     .await;

@@ -181,6 +181,9 @@ pub struct Reservations {
     taken: Arc<Mutex<HashSet<(CalicoApiGroup, String)>>>,
     /// Counts labels put back after a write through `projectcalico.org/v3`.
     restored: Option<prometheus::IntCounter>,
+    /// The newest leader epoch this replica knows (the Lease as last seen, and the
+    /// highest epoch on capo's reservations): what a shard the webhook creates starts with.
+    epoch_seen: Option<crate::leader::EpochFloor>,
 }
 
 impl Reservations {
@@ -193,7 +196,22 @@ impl Reservations {
     /// Holds go to `group` of `store` (Calico's etcd keeps `projectcalico.org/v3` only).
     pub fn in_datastore(store: Datastore, group: CalicoApiGroup, index: Arc<ReservationIndex>) -> Self {
         let group = index.canonical(group);
-        Self { store, group, index, queue: Default::default(), taken: Default::default(), restored: None }
+        Self {
+            store,
+            group,
+            index,
+            queue: Default::default(),
+            taken: Default::default(),
+            restored: None,
+            epoch_seen: None,
+        }
+    }
+
+    /// Shards created without a fence (by the webhook) start with the epoch `seen` says:
+    /// a leader that lost the Lease before it can no longer write them.
+    pub fn with_epoch_seen(mut self, seen: crate::leader::EpochFloor) -> Self {
+        self.epoch_seen = Some(seen);
+        self
     }
 
     /// Counts each shard whose labels capo put back in `counter`.
@@ -471,7 +489,10 @@ impl Reservations {
         obj.metadata.labels = Some(
             [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, policy)].map(|(k, v)| (k.into(), v.into())).into(),
         );
-        let epoch = fence.map_or(0, |f| f.epoch());
+        let epoch = match fence {
+            Some(f) => f.epoch(),
+            None => self.epoch_seen.as_ref().map_or(0, |seen| seen()),
+        };
         obj.metadata.annotations = Some([(LEADER_EPOCH_ANNOTATION.to_string(), epoch.to_string())].into());
         obj.data = json!({ "spec": { RESERVED_CIDRS: cidrs } });
         match self.store.create(group, &obj).await {
@@ -609,6 +630,19 @@ impl Reservations {
             }
             Err(e) => Err(self.classify(group, e)),
         }
+    }
+
+    /// The leader raises the epoch of shard `name` if its watched copy shows a lower one (a
+    /// shard created after the term began, by a webhook that had not seen the new Lease
+    /// yet). `true`: a write was sent.
+    pub async fn stamp_if_behind(&self, group: CalicoApiGroup, name: &str, fence: &Fence) -> Result<bool, CalicoError> {
+        let group = self.index.canonical(group);
+        let Some(view) = self.index.get(group, name) else { return Ok(false) };
+        if view.epoch.is_some_and(|e| e >= fence.epoch()) {
+            return Ok(false);
+        }
+        self.stamp_view(group, &view, fence).await?;
+        Ok(true)
     }
 
     /// A new leader raises the epoch of every capo-owned shard it sees (of the policies

@@ -366,16 +366,28 @@ impl ReleaseEngine {
         info!(records = records.all_names().len(), "leader: release controller running");
         let pump = tokio::spawn(ctx.clone().pump(rx));
         let workers: Vec<_> = (0..self.settings.workers.max(1)).map(|_| tokio::spawn(ctx.clone().work())).collect();
-        let stop = AbortOnDrop(workers.into_iter().chain([pump]).collect());
+        // Declared first, so dropped last: also when the caller drops this future as the
+        // Lease is lost (it selects on that too) before the line below runs.
+        let _end = TermEnd(ctx.clone());
+        let _stop = AbortOnDrop(workers.into_iter().chain([pump]).collect());
         fence.lost().await;
-        ctx.queue.close();
-        drop(stop);
-        ctx.net.clear();
-        // A follower reports no pools: a stale gauge would outlive what it measured.
-        for p in ctx.pools.iter().flat_map(|s| s.pools()) {
-            self.metrics.release.pools.forget(&p.name);
-        }
         info!("leader: lost the Lease; the release controller stops");
+    }
+}
+
+/// What a term leaves behind when it ends, however it ends: no queue, no memory of Pods
+/// looked at (a follower looks at nothing), no pool gauges (a stale gauge would outlive
+/// what it measured).
+struct TermEnd(Arc<Ctx>);
+
+impl Drop for TermEnd {
+    fn drop(&mut self) {
+        let ctx = &self.0;
+        ctx.queue.close();
+        ctx.net.clear();
+        for p in ctx.pools.iter().flat_map(|s| s.pools()) {
+            ctx.metrics.release.pools.forget(&p.name);
+        }
     }
 }
 
@@ -1377,6 +1389,15 @@ impl Ctx {
                 );
                 self.event(&policy_ref(&policy), EventType::Warning, "LabelsRestored", "Repair", note).await;
             }
+        }
+        // A shard created after this term began, with a lower epoch (by a webhook that had
+        // not seen the new Lease yet): raised now, so the replica this one took over from
+        // cannot write it either.
+        if view.epoch.is_none_or(|e| e < self.fence.epoch()) {
+            self.reservations
+                .stamp_if_behind(group, name, &self.fence)
+                .await
+                .map_err(|source| ReleaseError::Reservation { reservation: name.to_string(), source })?;
         }
         // A record names the group its entry was written through; where both groups name
         // one store, either name is this shard.
