@@ -219,6 +219,9 @@ async fn a_leader_behind_a_member_cut_off_from_its_peers_adopts_an_entry_taken_t
     let r = eventually("the entry taken through member 1 adopted", Duration::from_secs(60), adopted(late)).await;
     let after = cut.elapsed();
     eprintln!("adopted {after:.1?} after member 0 was cut off from its peers");
+    // The watch's bound (10 s of silence, a 3 s probe) plus the repair's settle time; the
+    // wait above allows twice as long.
+    assert!(after < Duration::from_secs(30), "adopted only after {after:?}");
     assert_eq!(r.spec.trigger, capo_api::HoldTrigger::Adopted);
     assert_eq!(r.spec.policy, policy);
     cluster.heal(0);

@@ -1393,12 +1393,10 @@ impl Ctx {
         // A shard created after this term began, with a lower epoch (by a webhook that had
         // not seen the new Lease yet): raised now, so the replica this one took over from
         // cannot write it either.
-        if view.epoch.is_none_or(|e| e < self.fence.epoch()) {
-            self.reservations
-                .stamp_if_behind(group, name, &self.fence)
-                .await
-                .map_err(|source| ReleaseError::Reservation { reservation: name.to_string(), source })?;
-        }
+        self.reservations
+            .stamp_if_behind(group, name, &self.fence)
+            .await
+            .map_err(|source| ReleaseError::Reservation { reservation: name.to_string(), source })?;
         // A record names the group its entry was written through; where both groups name
         // one store, either name is this shard.
         let recorded_at = |ip| {
