@@ -273,7 +273,7 @@ pub struct Args {
     /// policies together, in percent (1–100); past it the oldest holds in that pool are
     /// released first. 50: a new Pod always finds at least as many free addresses as capo
     /// holds. A policy's `maxPoolShare` bounds that policy alone.
-    #[arg(long, env = "CAPO_MAX_POOL_SHARE", default_value_t = crate::release::controller::DEFAULT_MAX_POOL_SHARE,
+    #[arg(long, env = "CAPO_MAX_POOL_SHARE", default_value_t = crate::release::DEFAULT_MAX_POOL_SHARE,
           value_parser = clap::value_parser!(u32).range(1..=100))]
     pub max_pool_share: u32,
 

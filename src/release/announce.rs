@@ -6,11 +6,24 @@
 //! the five extra requests each deletion cost the API server (docs/performance.md), and a
 //! thousand Events name the same policy and say the same thing. Kubernetes' own Event
 //! clients aggregate bursts of similar Events the same way.
+//!
+//! The announcements run as a loop of their own beside the leader's work queue
+//! ([`Announcements`]): a hold's reconcile hands its record over and goes on; the Event is
+//! written here, and a burst's summary goes out when its window ends, with no key of its
+//! own in the queue.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
+use capo_api::ReservedIP;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
+
+use super::events::{Events, pod_ref, policy_ref};
 
 /// Holds announced one by one per policy in any window.
 pub const BURST: u32 = 10;
@@ -110,6 +123,104 @@ impl Announcer {
     pub fn trim(&mut self, now: Instant) {
         self.windows.retain(|_, w| w.counted > 0 || now.duration_since(w.start) < WINDOW);
     }
+
+    /// When the next summary of any policy is due.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.windows.values().filter(|w| w.counted > 0).map(|w| w.start + WINDOW).min()
+    }
+
+    /// Every summary due at `now`, by policy.
+    pub fn take_due(&mut self, now: Instant) -> Vec<(String, Summary)> {
+        self.trim(now);
+        let due: Vec<String> = self
+            .windows
+            .iter()
+            .filter(|(_, w)| w.counted > 0 && now.duration_since(w.start) >= WINDOW)
+            .map(|(p, _)| p.clone())
+            .collect();
+        due.into_iter().filter_map(|p| self.take(&p, now).map(|s| (p, s))).collect()
+    }
+}
+
+enum Message {
+    Held(Arc<ReservedIP>),
+    Forget(String),
+}
+
+/// The leader's side of the announcements loop: a hold seen, a record gone. Sending never
+/// waits; the loop ends with the last sender (the term).
+#[derive(Clone)]
+pub struct Announcements {
+    tx: mpsc::UnboundedSender<Message>,
+    /// Holds made before this (the term's start, less 10 s) were announced by an earlier
+    /// leader, or are too old to be news.
+    since: Timestamp,
+}
+
+impl Announcements {
+    /// Starts the loop for a term that began at `started`.
+    pub fn spawn(events: Events, started: Timestamp) -> (Self, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let since = started.checked_sub(SignedDuration::from_secs(10)).unwrap_or(started);
+        (Self { tx, since }, tokio::spawn(run(rx, events)))
+    }
+
+    /// A record the leader looked at: announced once per record uid if it is new.
+    pub fn held(&self, rec: &Arc<ReservedIP>) {
+        if rec.spec.reserved_at.0 >= self.since && !rec.spec.pod.name.is_empty() {
+            let _ = self.tx.send(Message::Held(rec.clone()));
+        }
+    }
+
+    /// A record that is gone: a new hold under its name is news again.
+    pub fn forget(&self, name: &str) {
+        let _ = self.tx.send(Message::Forget(name.to_string()));
+    }
+}
+
+async fn run(mut rx: mpsc::UnboundedReceiver<Message>, events: Events) {
+    // Record name → the uid announced.
+    let mut announced: HashMap<String, String> = HashMap::new();
+    let mut announcer = Announcer::default();
+    loop {
+        let next = announcer.next_due();
+        let summary_due = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some(Message::Held(rec)) => {
+                    let uid = rec.uid().unwrap_or_default();
+                    if announced.insert(rec.name_any(), uid.clone()).as_deref() == Some(uid.as_str()) {
+                        continue;
+                    }
+                    let s = &rec.spec;
+                    let what = format!("{}/{} {}", s.pod.namespace, s.pod.name, s.ip);
+                    if announcer.admit(&s.policy, what, Instant::now()) == Announce::Each {
+                        let note = format!(
+                            "capo holds {} in IPReservation {} (policy {}, trigger {:?}) for {} after the Pod is gone",
+                            s.ip, s.reservation, s.policy, s.trigger, s.reserve_for
+                        );
+                        let pod = pod_ref(&s.pod.namespace, &s.pod.name, &s.pod.uid);
+                        events.publish(&pod, EventType::Normal, "IPHeld", "Hold", note).await;
+                    }
+                }
+                Some(Message::Forget(name)) => {
+                    announced.remove(&name);
+                }
+                None => return,
+            },
+            _ = summary_due => {
+                for (policy, summary) in announcer.take_due(Instant::now()) {
+                    let note = summary.note(&policy);
+                    events.publish(&policy_ref(&policy), EventType::Normal, "IPsHeld", "Hold", note).await;
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -177,5 +288,25 @@ mod tests {
         a.trim(t0 + WINDOW);
         assert!(a.due("busy").is_some(), "a waiting summary is kept");
         assert!(!a.windows.contains_key("quiet"), "a window over and counting nothing is forgotten");
+    }
+
+    /// The loop sleeps until the earliest summary of any policy, and takes all that are due.
+    #[test]
+    fn the_earliest_summary_of_any_policy_is_due_first() {
+        let mut a = Announcer::default();
+        let t0 = Instant::now();
+        assert_eq!(a.next_due(), None, "nothing counted, nothing due");
+        for i in 0..=BURST {
+            a.admit("early", hold(i), t0);
+            a.admit("late", hold(i), t0 + Duration::from_secs(3));
+        }
+        a.admit("quiet", hold(1), t0);
+        assert_eq!(a.next_due(), Some(t0 + WINDOW));
+        assert!(a.take_due(t0 + WINDOW - Duration::from_millis(1)).is_empty());
+        let due = a.take_due(t0 + WINDOW);
+        assert_eq!(due.iter().map(|(p, s)| (p.as_str(), s.count)).collect::<Vec<_>>(), [("early", 1)]);
+        assert_eq!(a.next_due(), Some(t0 + Duration::from_secs(3) + WINDOW));
+        assert_eq!(a.take_due(t0 + WINDOW * 2).len(), 1);
+        assert_eq!(a.next_due(), None);
     }
 }

@@ -4,18 +4,20 @@
 //!
 //! The pure parts decide with no I/O — [`decide`] (one hold), [`cap`] (one policy),
 //! [`repair`] (one reservation), [`pacer`] (release slots) — and are unit-tested; the
-//! [`controller`] runs them per key from a [`queue`], every write fenced by the Lease
-//! ([`writes`], [`crate::calico`]).
+//! [`leader`] runs them per key from a [`queue`], one module per kind of work, every write
+//! fenced by the Lease ([`writes`], [`crate::calico`]); [`announce`] and [`events`] say
+//! what it did.
 
 pub mod announce;
 pub mod cap;
 pub mod consistency;
-pub mod controller;
 pub mod decide;
+pub mod events;
+pub mod leader;
 pub mod pacer;
 pub mod queue;
 pub mod repair;
 pub mod writes;
 
-pub use controller::{EngineSettings, ReleaseEngine};
 pub use decide::{PlanSettings, ReleaseReason};
+pub use leader::{DEFAULT_MAX_POOL_SHARE, EngineSettings, ReleaseEngine};

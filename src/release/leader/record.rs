@@ -1,0 +1,202 @@
+//! One hold (a `Key::Record`): its countdown, and its release, write-back or drop when due.
+//! It remembers, per record, since when its entry has been missing, when its Pod was first
+//! seen gone, and whether it was reported as inconsistent.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use capo_api::CalicoApiGroup;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::context::{Key, Shared, instant};
+use super::policy::PolicyWork;
+use crate::release::consistency;
+use crate::release::decide::{self, Action, Facts, PodState};
+use crate::release::writes::{RecordFate, ReleaseError};
+use crate::store::workloads::Owner;
+
+#[derive(Default)]
+struct Memory {
+    /// Record → since when its entry has been missing.
+    missing: HashMap<String, Timestamp>,
+    /// Record → (its uid, when the leader's stores first showed its Pod gone), until its
+    /// countdown is written: the countdown starts there, however long the hold waits for
+    /// a worker.
+    gone_seen: HashMap<String, (String, Timestamp)>,
+    /// Records reported as inconsistent (by name: the uid reported).
+    inconsistent: HashMap<String, String>,
+}
+
+#[derive(Default)]
+pub struct RecordWork {
+    memory: Mutex<Memory>,
+}
+
+impl RecordWork {
+    fn memory(&self) -> MutexGuard<'_, Memory> {
+        self.memory.lock().expect("record memory lock")
+    }
+
+    /// A record that is gone.
+    pub fn forget(&self, name: &str) {
+        let mut memory = self.memory();
+        memory.missing.remove(name);
+        memory.gone_seen.remove(name);
+        memory.inconsistent.remove(name);
+    }
+
+    /// A store listed afresh: what was seen gone is seen again (or not) from here on.
+    pub fn relisted(&self) {
+        self.memory().gone_seen.clear();
+    }
+
+    /// Notes when the stores first showed `rec`'s Pod gone, while its countdown is not
+    /// written yet (`Facts::seen_gone`), and has the hold looked at when that countdown
+    /// runs out, even if it still waits behind a backlog of new holds by then; forgets it
+    /// if the Pod is back (a relist).
+    pub fn note_pod_gone(&self, s: &Shared, rec: &capo_api::ReservedIP) {
+        if rec.status.as_ref().is_some_and(|s| s.pod_gone_at.is_some()) {
+            return;
+        }
+        let pod = s.pods.get(&rec.spec.pod.namespace, &rec.spec.pod.name);
+        let departed = s.pods.saw_depart(&rec.spec.pod.uid);
+        let gone = decide::pod_state(rec, pod.as_deref()) == PodState::Gone
+            && !decide::missing_too_soon(rec, pod.as_deref(), departed, Timestamp::now(), &s.settings.plan);
+        let uid = rec.uid().unwrap_or_default();
+        let mut memory = self.memory();
+        if !gone {
+            memory.gone_seen.remove(&rec.name_any());
+        } else if memory.gone_seen.get(&rec.name_any()).is_none_or(|(u, _)| *u != uid) {
+            let now = Timestamp::now();
+            memory.gone_seen.insert(rec.name_any(), (uid, now));
+            drop(memory);
+            let due = decide::ttl_due(rec, now, &s.settings.plan);
+            s.queue.add_at(Key::Record(rec.name_any()), instant(due));
+        }
+    }
+
+    /// The hold `rec`, looked at now.
+    pub async fn reconcile(
+        &self,
+        s: &Shared,
+        policies: &PolicyWork,
+        rec: Arc<capo_api::ReservedIP>,
+    ) -> Result<Option<Instant>, ReleaseError> {
+        let name = rec.name_any();
+        let spec = &rec.spec;
+        if !s.in_scope(&spec.policy) || s.pacer().contains(&rec) {
+            return Ok(None);
+        }
+        if let Err(why) = consistency::check(&rec) {
+            self.ignore(s, &rec, why).await;
+            return Ok(None);
+        }
+        let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
+        let now = Timestamp::now();
+        let entry_present = s.index.get(group, &spec.reservation).is_some_and(|v| v.position(&spec.cidr).is_some());
+        let (missing_since, seen_gone) = self.remembered(&rec, entry_present, now);
+        let pod = s.pods.get(&spec.pod.namespace, &spec.pod.name);
+        let matcher = s.matcher.load();
+        let policy = matcher.get(&spec.policy).cloned();
+        let owner = spec.pod.controller.as_ref().map_or(Owner::Unknown, |c| s.workloads.owner(&spec.pod.namespace, c));
+        let decision = decide::decide(
+            &Facts {
+                now,
+                record: &rec,
+                pod: pod.as_deref(),
+                departure_seen: s.pods.saw_depart(&spec.pod.uid),
+                policy: policy.as_deref(),
+                entry_present,
+                namespace_exists: s.namespaces.get(&spec.pod.namespace).is_some(),
+                owner,
+                missing_since,
+                seen_gone,
+            },
+            &s.settings.plan,
+        );
+        policies.note_left(&rec, pod.as_deref(), now);
+        s.announcements.held(&rec);
+        // A hold first looked at once it is already due (it waited behind a storm of new
+        // holds) is released without writing the countdown it no longer needs: a worker
+        // held by that write would be one more delay for every release behind it.
+        let releasing = matches!(decision.action, Action::Release { .. });
+        if !releasing && Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
+            s.writes.status(&rec, &decision.status).await?;
+        }
+        match decision.action {
+            Action::Wait(at) => Ok(at.map(instant)),
+            Action::Release { reason, due } => {
+                s.submit(&spec.policy, [s.leaving(rec.clone(), reason, due)]);
+                Ok(None)
+            }
+            Action::WriteBack => {
+                s.reservations
+                    .write_back(group, &spec.reservation, &spec.policy, &spec.cidr, &s.fence)
+                    .await
+                    .map_err(|source| ReleaseError::Reservation { reservation: spec.reservation.clone(), source })?;
+                s.metrics.release.repairs.with_label_values(&["written_back"]).inc();
+                info!(record = name, reservation = %spec.reservation, "wrote a missing entry back");
+                Ok(None)
+            }
+            Action::Drop { reason, due } => {
+                if s.writes.delete(&rec).await? == RecordFate::Deleted {
+                    s.released(&spec.policy, reason, due);
+                    info!(record = name, reason = reason.as_str(), "dropped a record whose entry was missing");
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Reports, once per record, a record the leader will not act on (metric, warning,
+    /// Event on the record).
+    async fn ignore(&self, s: &Shared, rec: &capo_api::ReservedIP, why: consistency::Inconsistent) {
+        let (name, uid) = (rec.name_any(), rec.uid().unwrap_or_default());
+        if self.memory().inconsistent.insert(name.clone(), uid.clone()) == Some(uid) {
+            return;
+        }
+        s.metrics.release.ignored_records.with_label_values(&[why.reason()]).inc();
+        let spec = &rec.spec;
+        warn!(
+            record = %name, ip = %spec.ip, cidr = %spec.cidr, reservation = %spec.reservation, reason = why.reason(),
+            "a ReservedIP capo did not write: left alone (no entry written back, nothing released)"
+        );
+        let note =
+            format!("not acted on: {why} (ip {}, cidr {}, reservation {})", spec.ip, spec.cidr, spec.reservation);
+        s.events
+            .publish(&kube::Resource::object_ref(rec, &()), EventType::Warning, "Inconsistent", "Ignore", note)
+            .await;
+    }
+
+    /// What this leader remembers of a hold: since when its entry has been missing (noted
+    /// now if it is), and when its Pod was seen gone (while its countdown is not written).
+    fn remembered(
+        &self,
+        rec: &capo_api::ReservedIP,
+        entry_present: bool,
+        now: Timestamp,
+    ) -> (Option<Timestamp>, Option<Timestamp>) {
+        let name = rec.name_any();
+        let uid = rec.uid().unwrap_or_default();
+        let mut memory = self.memory();
+        let seen_gone = match memory.gone_seen.get(&name) {
+            Some((u, at)) if *u == uid && rec.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none()) => Some(*at),
+            Some(_) => {
+                memory.gone_seen.remove(&name);
+                None
+            }
+            None => None,
+        };
+        let missing_since = if entry_present {
+            memory.missing.remove(&name);
+            None
+        } else {
+            Some(*memory.missing.entry(name).or_insert(now))
+        };
+        (missing_since, seen_gone)
+    }
+}
