@@ -265,7 +265,7 @@ pub struct Args {
     pub kept_pod_grace: capo_api::Duration,
 
     /// How many holds, policies and reservations the leader works on at once (status
-    /// writes, releases, repairs, safety-net holds).
+    /// writes, releases, repairs); the safety net looks at as many leaving Pods at once.
     #[arg(long, env = "CAPO_RELEASE_WORKERS", default_value_t = 8)]
     pub workers: usize,
 

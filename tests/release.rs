@@ -917,3 +917,63 @@ async fn a_pod_that_cannot_be_marked_does_not_stall_its_policys_releases() {
     pods.delete("frozen", &Default::default()).await.unwrap();
     wait_released(&client, frozen_ip, Duration::from_secs(30)).await;
 }
+
+/// The safety net's own loop: a hold it cannot write (here a ValidatingAdmissionPolicy
+/// refuses the record of one address, as a cluster's admission rules could) is said on the
+/// policy (`SafetyNetHoldFailed`, quoting the refusal), counted, and tried again with
+/// backoff; the address stays in the reservation all the while (the entry got in), and has
+/// its record once the refusal goes (the safety net's retry or the repair's adoption,
+/// whichever comes first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_safety_net_hold_that_cannot_be_written_says_so_and_is_tried_again() {
+    let Scene { client, ns, capo, policy } =
+        scene("rel-netfail", Duration::from_secs(600), json!({ "podSelector": { "matchLabels": { "app": "redis" } } }))
+            .await;
+    let ip = Ips::v4();
+    let vap = format!("no-hold-{}", ns.name);
+    deny_by_policy(
+        &client,
+        &vap,
+        json!({ "resourceRules": [{ "apiGroups": ["capo.io"], "apiVersions": ["*"], "operations": ["CREATE"], "resources": ["reservedips"] }] }),
+        json!({ "expression": format!("object.spec.ip != '{ip}'"), "message": "this address is not held", "reason": "Forbidden" }),
+    )
+    .await;
+    // The policy reaches the admission chain asynchronously: wait until it refuses.
+    let probe: capo_api::ReservedIP = serde_json::from_value(json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "ReservedIP",
+        "metadata": { "name": capo_api::reserved_ip::record_name(ip) },
+        "spec": { "ip": ip.to_string(), "cidr": cidr(ip), "reservation": format!("capo-{policy}"),
+                  "calicoApiGroup": "crd.projectcalico.org/v1", "policy": policy,
+                  "pod": { "namespace": ns.name, "name": "probe", "uid": "probe" },
+                  "trigger": "Delete", "reservedAt": Timestamp::now(), "reserveFor": "1h" },
+    }))
+    .unwrap();
+    let records = Api::<capo_api::ReservedIP>::all(client.clone());
+    let dry = PostParams { dry_run: true, ..Default::default() };
+    eventually("the policy to refuse the record", Duration::from_secs(30), || {
+        let (records, probe, dry) = (records.clone(), probe.clone(), dry.clone());
+        async move {
+            let r = records.create(&dry, &probe).await;
+            matches!(r, Err(kube::Error::Api(s)) if s.message.contains("this address is not held")).then_some(())
+        }
+    })
+    .await;
+
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("redis-0", &[("app", "redis")], &[]), &[ip]).await;
+    set_phase(&client, &ns.name, "redis-0", "Failed").await;
+    let note = wait_event(&client, "default", &policy, "SafetyNetHoldFailed").await;
+    assert!(note.contains("this address is not held") && note.contains("redis-0"), "{note}");
+    // Tried again (with backoff), and refused again.
+    let failures = format!("capo_release_failures_total{{policy=\"{policy}\",reason=\"safety_net\"}}");
+    assert!(wait_metric(&capo, &failures, 2.0).await >= 2.0);
+    assert!(record(&client, ip).await.is_none(), "refused, so no record yet");
+    assert!(entries(&client, &policy).await.contains(&cidr(ip)), "the entry got in: the address is held meanwhile");
+
+    remove_policy(&client, &vap).await;
+    let c = &client;
+    let rec =
+        eventually("a record once the refusal is gone", Duration::from_secs(60), || async move { record(c, ip).await })
+            .await;
+    assert!(matches!(rec.spec.trigger, HoldTrigger::SafetyNet | HoldTrigger::Adopted), "{:?}", rec.spec.trigger);
+    assert!(entries(&client, &policy).await.contains(&cidr(ip)), "still held");
+}
