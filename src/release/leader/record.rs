@@ -29,6 +29,11 @@ struct Memory {
     gone_seen: HashMap<String, (String, Timestamp)>,
     /// Records reported as inconsistent (by name: the uid reported).
     inconsistent: HashMap<String, String>,
+    /// Record → (uid, resourceVersion) its last status write was made against. Whether
+    /// that write went through or found the record changed, that version is past: while
+    /// the store still shows it (the watch is behind the leader's own write), another write
+    /// against it could only fail, and would cost the API server a request per look.
+    written: HashMap<String, (String, String)>,
 }
 
 #[derive(Default)]
@@ -47,6 +52,7 @@ impl RecordWork {
         memory.missing.remove(name);
         memory.gone_seen.remove(name);
         memory.inconsistent.remove(name);
+        memory.written.remove(name);
     }
 
     /// A store listed afresh: what was seen gone is seen again (or not) from here on.
@@ -125,7 +131,7 @@ impl RecordWork {
         // held by that write would be one more delay for every release behind it.
         let releasing = matches!(decision.action, Action::Release { .. });
         if !releasing && Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
-            s.writes.status(&rec, &decision.status).await?;
+            self.write_status(s, &rec, &decision.status).await?;
         }
         match decision.action {
             Action::Wait(at) => Ok(at.map(instant)),
@@ -150,6 +156,25 @@ impl RecordWork {
                 Ok(None)
             }
         }
+    }
+
+    /// Writes a hold's status against the version the store shows, unless this leader
+    /// has written against that version already (then the watch brings the result, and
+    /// the hold is looked at again).
+    async fn write_status(
+        &self,
+        s: &Shared,
+        rec: &capo_api::ReservedIP,
+        status: &capo_api::reserved_ip::ReservedIPStatus,
+    ) -> Result<(), ReleaseError> {
+        let version = (rec.uid().unwrap_or_default(), rec.resource_version().unwrap_or_default());
+        let name = rec.name_any();
+        if self.memory().written.get(&name) == Some(&version) {
+            return Ok(());
+        }
+        s.writes.status(rec, status).await?;
+        self.memory().written.insert(name, version);
+        Ok(())
     }
 
     /// Reports, once per record, a record the leader will not act on (metric, warning,
