@@ -34,6 +34,11 @@ use tracing::{debug, info, warn};
 const UNREACHABLE_FOR: Duration = Duration::from_secs(6);
 /// How long one request (not a watch) may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request waits for one member before it asks the next, on its first round of
+/// a cluster: a member that stopped answering (a stalled network, a paused process) must
+/// not cost a webhook's hold more than this. Once every member was given this much, they
+/// get [`REQUEST_TIMEOUT`] each (a slow cluster still answers a large list).
+const MEMBER_TIMEOUT: Duration = Duration::from_secs(2);
 /// A watch that hears nothing for this long is checked: its member must answer a
 /// linearizable read (which needs a leader and a quorum) within [`PROBE_TIMEOUT`], or the
 /// watch is dropped and the prefix listed and watched again at the next member.
@@ -357,19 +362,20 @@ impl Etcd {
     async fn call(&self, op: &'static str, path: &str, body: Value) -> Result<Value, EtcdError> {
         let started = tokio::time::Instant::now();
         let mut delay = Duration::from_millis(50);
+        let mut patience = if self.endpoints.len() > 1 { MEMBER_TIMEOUT } else { REQUEST_TIMEOUT };
         loop {
             let mut last = String::new();
             for i in 0..self.endpoints.len() {
                 let at = (self.current.load(Ordering::Relaxed) + i) % self.endpoints.len();
                 let endpoint = &self.endpoints[at];
-                let answer = tokio::time::timeout(REQUEST_TIMEOUT, async {
+                let answer = tokio::time::timeout(patience, async {
                     let response = self.send(endpoint, path, &body).await?;
                     let status = response.status();
                     let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
                     Ok::<_, String>((status, bytes))
                 })
                 .await
-                .unwrap_or_else(|_| Err(format!("no answer within {REQUEST_TIMEOUT:?}")));
+                .unwrap_or_else(|_| Err(format!("no answer within {patience:?}")));
                 match answer {
                     Ok((status, bytes)) => {
                         self.current.store(at, Ordering::Relaxed);
@@ -401,9 +407,12 @@ impl Etcd {
                     }
                 }
             }
-            if started.elapsed() + delay > UNREACHABLE_FOR {
+            // A round with the short wait is followed by one with the full wait, however
+            // long the first took.
+            if started.elapsed() + delay > UNREACHABLE_FOR && patience == REQUEST_TIMEOUT {
                 return Err(EtcdError::Unreachable { op, endpoints: self.endpoints(), message: last });
             }
+            patience = REQUEST_TIMEOUT;
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(1));
         }
