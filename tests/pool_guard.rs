@@ -184,3 +184,101 @@ async fn capo_never_starves_a_small_pool_that_calico_fills() {
             .await;
     }
 }
+
+/// Issue 24, defect 7, against a real API server: an address in Calico's IP cooldown
+/// (Calico 3.33's `ipCooldownSeconds`: released, its allocation kept with `releasedAt` until
+/// the cooldown ends) is free for the pool guard, not taken by a Pod. The test's Calico
+/// (3.28.5) has no cooldown and its IPAMBlock CRD would prune `releasedAt`, so the CRD
+/// gets the field as Calico's newer CRD has it, and the block is written as a 3.33 IPAM
+/// leaves it: a /28 whose 16 addresses are all allocated, two of them cooling — the two
+/// capo holds. Of 2 unused addresses capo may hold 50%: the older hold goes. On the code
+/// before, the two cooling addresses counted as taken by Pods and nothing was released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addresses_in_calicos_ip_cooldown_count_as_free_for_the_pool_guard() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Patch, PatchParams};
+
+    const COOL_POOL: &str = "capo-test-cooldown";
+    const COOL_CIDR: &str = "192.0.2.64/28";
+    let (client, ns) = setup("pool-cool").await;
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    let released_at = json!([{ "op": "add",
+        "path": "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/attributes/items/properties/releasedAt",
+        "value": { "type": "string", "format": "date-time" } }]);
+    let patch: json_patch::Patch = serde_json::from_value(released_at).unwrap();
+    crds.patch("ipamblocks.crd.projectcalico.org", &PatchParams::default(), &Patch::<()>::Json(patch))
+        .await
+        .expect("IPAMBlock's CRD with releasedAt");
+    let pools = Api::<DynamicObject>::all_with(client.clone(), &ip_pools());
+    let _ = pools.delete(COOL_POOL, &DeleteParams::default()).await;
+    let pool: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "crd.projectcalico.org/v1", "kind": "IPPool", "metadata": { "name": COOL_POOL },
+        "spec": { "cidr": COOL_CIDR, "blockSize": 28, "nodeSelector": "!all()",
+                  "ipipMode": "Never", "vxlanMode": "Never", "allowedUses": ["Workload"] },
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &pool).await.expect("create the /28 IPPool");
+    let blocks = Api::<DynamicObject>::all_with(
+        client.clone(),
+        &ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("crd.projectcalico.org", "v1", "IPAMBlock"),
+            "ipamblocks",
+        ),
+    );
+    // Ordinals 0-13 belong to live Pods (attribute 0), 14 and 15 cool (attribute 1).
+    let mut allocations: Vec<u32> = vec![0; 14];
+    allocations.extend([1, 1]);
+    let block_name = "192-0-2-64-28";
+    let cooling = k8s_openapi::jiff::Timestamp::now().to_string();
+    let block = json!({
+        "apiVersion": "crd.projectcalico.org/v1", "kind": "IPAMBlock", "metadata": { "name": block_name },
+        "spec": { "cidr": COOL_CIDR, "affinity": "host:capo-test-nowhere", "strictAffinity": false,
+                  "allocations": allocations, "unallocated": [],
+                  "attributes": [ { "handle_id": "k8s-pod-network.live" },
+                                  { "handle_id": "k8s-pod-network.gone", "releasedAt": cooling } ] },
+    });
+    // The CRD's new schema reaches the API server's decoder a moment after the patch.
+    eventually("the block written with its cooling allocations", Duration::from_secs(30), || {
+        let (blocks, block) = (blocks.clone(), block.clone());
+        async move {
+            let _ = blocks.delete(block_name, &DeleteParams::default()).await;
+            let obj: DynamicObject = serde_json::from_value(block).unwrap();
+            let written = blocks.create(&PostParams::default(), &obj).await.ok()?;
+            written.data["spec"]["attributes"][1].get("releasedAt").is_some().then_some(())
+        }
+    })
+    .await;
+
+    let capo = start_leading(&client, &ns.name, "a", Duration::from_secs(600)).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-redis", ns.name);
+    let spec =
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "releaseInterval": "1s" });
+    apply_policy(&client, &policy, &ns.name, spec).await;
+    let ips: Vec<IpAddr> = ["192.0.2.78", "192.0.2.79"].iter().map(|s| s.parse().unwrap()).collect();
+    for (i, ip) in ips.iter().enumerate() {
+        let name = format!("redis-{i}");
+        create_pod_with_ips(&client, &ns.name, unscheduled_pod(&name, &[("app", "redis")], &[]), &[*ip]).await;
+        delete_pod(&client, &ns.name, &name).await.expect("the deletion is allowed");
+        let c = &client;
+        eventually(&format!("{name}'s {ip} held"), Duration::from_secs(10), || async move {
+            record(c, *ip).await.map(|_| ())
+        })
+        .await;
+    }
+    // 16 addresses, 14 taken by Pods, 2 unused (the cooling ones), both held: 50% of 2 is 1.
+    wait_held(&client, "the older hold released by the pool guard", &ips, &ips[1..]).await;
+    let releases = format!("capo_releases_total{{policy=\"{policy}\",reason=\"pool\"}}");
+    assert_eq!(wait_metric(&capo, &releases, 1.0).await, 1.0);
+    let gauge = |name: &str| format!("capo_{name}{{pool=\"{COOL_POOL}\"}}");
+    eventually("the pool's gauges count the cooling addresses as free", Duration::from_secs(20), || async {
+        let size = metric_value(&capo, &gauge("pool_addresses"))?;
+        let held = metric_value(&capo, &gauge("pool_held_ips"))?;
+        let free = metric_value(&capo, &gauge("pool_free_addresses"))?;
+        (size == 16.0 && held == 1.0 && free == 1.0).then_some(())
+    })
+    .await;
+    assert!(held(&client, &ips).await.contains(&ips[1]), "the newer hold stays");
+    let _ = blocks.delete(block_name, &DeleteParams::default()).await;
+    let _ = pools.delete(COOL_POOL, &DeleteParams::default()).await;
+}
