@@ -8,6 +8,7 @@ pub mod caller_auth;
 pub mod certs;
 pub mod cli;
 pub mod client;
+pub mod events;
 pub mod health;
 pub mod hold;
 pub mod leader;

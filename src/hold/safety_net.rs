@@ -14,14 +14,14 @@ use std::sync::{Arc, Mutex};
 
 use capo_api::HoldTrigger;
 use capo_api::keys::NOT_HELD_ANNOTATION;
-use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::EventType;
 use tracing::{info, warn};
 
 use super::rule::{Origin, decide};
 use super::{HoldError, HoldRequest, HoldWriter, marks};
 use crate::calico::shards;
+use crate::events::{Events, pod_ref};
 use crate::leader::{Fence, NotLeader};
 use crate::metrics::Metrics;
 use crate::policy::{Decision, SharedMatcher};
@@ -55,7 +55,7 @@ pub struct SafetyNet {
     pub records: Arc<RecordIndex>,
     pub matcher: SharedMatcher,
     pub metrics: Arc<Metrics>,
-    pub recorder: Recorder,
+    pub events: Events,
     pub excluded: Vec<String>,
     /// Only policies whose name starts with this (tests share one API server).
     pub policy_prefix: Option<String>,
@@ -74,7 +74,7 @@ impl SafetyNet {
         records: Arc<RecordIndex>,
         matcher: SharedMatcher,
         metrics: Arc<Metrics>,
-        recorder: Recorder,
+        events: Events,
         excluded: Vec<String>,
         policy_prefix: Option<String>,
     ) -> Self {
@@ -87,7 +87,7 @@ impl SafetyNet {
             records,
             matcher,
             metrics,
-            recorder,
+            events,
             excluded,
             policy_prefix,
             done: Default::default(),
@@ -185,7 +185,9 @@ impl SafetyNet {
             let note = format!(
                 "capo saw this Pod terminate without a hold, too late: {ips} already belongs to another Pod; not held"
             );
-            self.event(namespace, name, &pod.uid, "LateHoldLost", note).await;
+            self.events
+                .publish(&pod_ref(namespace, name, &pod.uid), EventType::Warning, "LateHoldLost", "Hold", note)
+                .await;
         }
         let mut new = 0;
         if !keep.is_empty() {
@@ -214,26 +216,5 @@ impl SafetyNet {
         }
         self.remember(key, pod.uid.clone());
         Ok(Outcome::Held { new, lost: lost.len() })
-    }
-
-    async fn event(&self, namespace: &str, name: &str, uid: &str, reason: &str, note: String) {
-        let reference = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(namespace.into()),
-            name: Some(name.into()),
-            uid: Some(uid.into()),
-            ..Default::default()
-        };
-        let ev = Event {
-            type_: EventType::Warning,
-            reason: reason.into(),
-            note: Some(note),
-            action: "Hold".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, &reference).await {
-            tracing::debug!(error = %e, reason, "could not publish an Event");
-        }
     }
 }

@@ -23,7 +23,7 @@ use kube::runtime::events::EventType;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::events::{Events, pod_ref, policy_ref};
+use crate::events::{Events, pod_ref, policy_ref};
 
 /// Holds announced one by one per policy in any window.
 pub const BURST: u32 = 10;
@@ -103,7 +103,7 @@ impl Announcer {
 
     /// The summary of `policy`'s window, once the window is over and it counted any.
     /// The next window starts with the next hold.
-    pub fn take(&mut self, policy: &str, now: Instant) -> Option<Summary> {
+    fn take(&mut self, policy: &str, now: Instant) -> Option<Summary> {
         let w = self.windows.get_mut(policy)?;
         if w.counted == 0 || now.duration_since(w.start) < WINDOW {
             return None;
@@ -114,13 +114,14 @@ impl Announcer {
     }
 
     /// When `policy`'s summary is due, if one is waiting.
-    pub fn due(&self, policy: &str) -> Option<Instant> {
+    #[cfg(test)]
+    fn due(&self, policy: &str) -> Option<Instant> {
         let w = self.windows.get(policy)?;
         (w.counted > 0).then(|| w.start + WINDOW)
     }
 
     /// Forgets windows that are over and counted nothing.
-    pub fn trim(&mut self, now: Instant) {
+    fn trim(&mut self, now: Instant) {
         self.windows.retain(|_, w| w.counted > 0 || now.duration_since(w.start) < WINDOW);
     }
 

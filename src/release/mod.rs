@@ -5,14 +5,13 @@
 //! The pure parts decide with no I/O — [`decide`] (one hold), [`cap`] (one policy),
 //! [`repair`] (one reservation), [`pacer`] (release slots) — and are unit-tested; the
 //! [`leader`] runs them per key from a [`queue`], one module per kind of work, every write
-//! fenced by the Lease ([`writes`], [`crate::calico`]); [`announce`] and [`events`] say
-//! what it did.
+//! fenced by the Lease ([`writes`], [`crate::calico`]); [`announce`] and
+//! [`crate::events`] say what it did.
 
 pub mod announce;
 pub mod cap;
 pub mod consistency;
 pub mod decide;
-pub mod events;
 pub mod leader;
 pub mod pacer;
 pub mod queue;

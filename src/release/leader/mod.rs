@@ -38,10 +38,10 @@ use self::shard::ShardWork;
 use self::slot::SlotWork;
 use super::announce::Announcements;
 use super::decide::PlanSettings;
-use super::events::{Events, policy_ref};
 use super::writes::ReleaseError;
 use crate::calico::pools::{PoolStore, detect_ipam_api};
 use crate::calico::{CalicoError, Datastore, Reservations};
+use crate::events::{Events, policy_ref};
 use crate::hold::HoldWriter;
 use crate::hold::safety_net::SafetyNet;
 use crate::leader::Fence;
@@ -184,7 +184,7 @@ impl ReleaseEngine {
             records.clone(),
             self.matcher.clone(),
             self.metrics.clone(),
-            events.recorder(),
+            events.clone(),
             self.settings.excluded_namespaces.clone(),
             self.settings.policy_prefix.clone(),
         );

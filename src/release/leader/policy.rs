@@ -13,9 +13,9 @@ use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
 use super::context::{Shared, instant};
+use crate::events::policy_ref;
 use crate::policy::CompiledPolicy;
 use crate::release::decide::{self, PodState, ReleaseReason};
-use crate::release::events::policy_ref;
 use crate::release::writes::ReleaseError;
 use crate::release::{cap, consistency};
 

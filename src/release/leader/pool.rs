@@ -12,8 +12,8 @@ use tracing::warn;
 
 use super::context::Shared;
 use crate::calico::entry;
+use crate::events::policy_ref;
 use crate::release::decide::ReleaseReason;
-use crate::release::events::policy_ref;
 use crate::release::{cap, consistency};
 
 #[derive(Default)]

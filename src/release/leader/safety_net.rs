@@ -12,10 +12,10 @@ use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
 use super::routing::got;
+use crate::events::{Events, pod_ref, policy_ref};
 use crate::hold::safety_net::{NetError, SafetyNet};
 use crate::leader::Fence;
 use crate::metrics::Metrics;
-use crate::release::events::{Events, pod_ref, policy_ref};
 use crate::release::queue::WorkQueue;
 use crate::store::PodStore;
 use crate::store::pods::PodEvent;

@@ -14,8 +14,8 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::context::{Shared, instant};
+use crate::events::policy_ref;
 use crate::release::decide::ReleaseReason;
-use crate::release::events::policy_ref;
 use crate::release::writes::ReleaseError;
 use crate::release::{consistency, repair};
 

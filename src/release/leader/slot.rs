@@ -17,9 +17,9 @@ use tracing::{info, warn};
 
 use super::context::{Key, Shared};
 use super::policy::PolicyWork;
+use crate::events::pod_ref;
 use crate::hold::marks;
 use crate::release::decide::{self, PodState, ReleaseReason};
-use crate::release::events::pod_ref;
 use crate::release::pacer::{Leaving, Taken};
 use crate::release::writes::{RecordFate, ReleaseError};
 

@@ -1,5 +1,5 @@
-//! Kubernetes Events the leader publishes: on Pods (a hold, a deferred release) and on
-//! CapoPolicies (a cap reached, a failed release, a burst of holds).
+//! Kubernetes Events the leader publishes: on Pods (a hold, a deferred release, a hold the
+//! safety net lost) and on CapoPolicies (a cap reached, a failed release, a burst of holds).
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
@@ -17,11 +17,6 @@ impl Events {
     pub fn new(client: Client, identity: &str) -> Self {
         let reporter = Reporter { controller: "capo".into(), instance: Some(identity.to_string()) };
         Self { recorder: Recorder::new(client, reporter) }
-    }
-
-    /// The recorder, for the parts that publish their own Events (the safety net).
-    pub fn recorder(&self) -> Recorder {
-        self.recorder.clone()
     }
 
     pub async fn publish(
