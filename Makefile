@@ -6,6 +6,9 @@ TESTENV_DIR ?= .testenv
 # Calico's datastore in `make testenv-up`: kubernetes (CRDs), etcd (its own etcd, TLS),
 # apiserver (CRDs and calico-apiserver serving projectcalico.org/v3 as their view), off.
 TESTENV_CALICO ?= kubernetes
+# TESTENV_REAL_NODE=1: `make testenv-up` also starts the real node (containerd, a kubelet
+# and Calico's CNI plugin; see hack/build-real-node.sh).
+TESTENV_REAL_NODE ?=
 export KUBECONFIG_TESTENV := $(abspath $(TESTENV_DIR))/kubeconfig
 
 .PHONY: help
@@ -28,6 +31,10 @@ calico-ipam: ## Build (or reuse cached) capo-calico-ipam, the test environment's
 .PHONY: calico-apiserver
 calico-apiserver: calico-ipam ## Build (or reuse cached) calico-apiserver (v3.28.5), for the calico-apiserver tests and testenv-up TESTENV_CALICO=apiserver
 	@bash hack/build-calico-apiserver.sh >/dev/null
+
+.PHONY: real-node
+real-node: ## Build (or reuse cached) the real node: kubelet, containerd, Calico's CNI plugin (v3.28.5) and the test images; runc from Debian (make tools)
+	@bash hack/build-real-node.sh >/dev/null
 
 .PHONY: argocd
 argocd: ## Build (or reuse cached) Argo CD's controller and repo server, kustomize and helm for the GitOps tests
@@ -61,22 +68,24 @@ COMPAT_K8S ?= 1.30
 test: test-latest test-compat ## Run every test (unit, drift, integration) on Kubernetes 1.35, then on the oldest supported (1.30)
 
 .PHONY: test-latest
-test-latest: controlplane argocd tools ## Run every test on the default control plane (Kubernetes 1.35), the GitOps suite and the try-install paths included
+test-latest: controlplane argocd real-node tools ## Run every test on the default control plane (Kubernetes 1.35), the GitOps suite, the real node and the try-install paths included
 	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
-	  CAPO_ARGOCD_DIR="$$(bash hack/build-argocd.sh 2>/dev/null | tail -n1)" cargo test --workspace
+	  CAPO_ARGOCD_DIR="$$(bash hack/build-argocd.sh 2>/dev/null | tail -n1)" \
+	  CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)" cargo test --workspace
 	bash hack/test-try.sh
 
 .PHONY: test-try
-test-try: controlplane argocd tools ## Run make try-helm and make try-argocd as a newcomer would (each on its own control plane, torn down after)
+test-try: controlplane argocd real-node tools ## Run make try-helm, make try-argocd and make testenv-up TESTENV_REAL_NODE=1 as a newcomer would (each on its own control plane, torn down after)
 	bash hack/test-try.sh
 
 .PHONY: test-compat
-# The GitOps suite (tests/gitops.rs, a real Argo CD) runs in test-latest only; here its
-# tests say they are skipped.
-test-compat: tools calico-ipam calico-apiserver ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30), but the GitOps suite
+# The GitOps suite (tests/gitops.rs, a real Argo CD) and the real node (tests/real_node.rs,
+# its kubelet built for the default Kubernetes) run in test-latest only; here their tests
+# say they are skipped.
+test-compat: tools calico-ipam calico-apiserver ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30), but the GitOps suite and the real node
 	@CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh >/dev/null
 	CAPO_TESTENV_BIN="$$(CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
-	  CAPO_SKIP_GITOPS=1 cargo test --workspace
+	  CAPO_SKIP_GITOPS=1 CAPO_SKIP_REAL_NODE=1 cargo test --workspace
 
 .PHONY: bench
 bench: controlplane ## Measure the admission path end to end on the local control plane; writes docs/performance.md
@@ -91,10 +100,11 @@ bench-calls: controlplane ## Count the API requests a burst of held deletions co
 	bash hack/bench-calls.sh
 
 .PHONY: testenv-up
-testenv-up: controlplane ## Start the local control plane; prints the export KUBECONFIG line
+testenv-up: controlplane $(if $(TESTENV_REAL_NODE),real-node tools) ## Start the local control plane (TESTENV_REAL_NODE=1: with the real node); prints the export KUBECONFIG line
 	@cargo build -q -p capo-testenv
 	@CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
-	  target/debug/capo-testenv up --state-dir $(TESTENV_DIR) --calico $(TESTENV_CALICO)
+	  $(if $(TESTENV_REAL_NODE),CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)") \
+	  target/debug/capo-testenv up --state-dir $(TESTENV_DIR) --calico $(TESTENV_CALICO) $(if $(TESTENV_REAL_NODE),--real-node)
 
 .PHONY: testenv-down
 testenv-down: ## Stop the local control plane and remove its state

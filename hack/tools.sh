@@ -8,6 +8,8 @@
 #            redis-server; started by the tests on a free port, never as a service
 #   kubectl  applies and renders manifests (tests/install.rs, tests/admission.rs)
 #   faketime libfaketime, to run one capo replica with its clock ahead (tests/failover.rs)
+#   runc     the real node's low-level runtime (tests/real_node.rs, make try-real-node), from
+#            Debian's runc; containerd and the kubelet are built by hack/build-real-node.sh
 #   CRDs     of Argo CD, cert-manager and the Prometheus operator (see below)
 # Debian packages via apt-get (root, or sudo when available).
 set -euo pipefail
@@ -52,6 +54,7 @@ command -v lua5.1 >/dev/null 2>&1 || missing+=(lua5.1)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v faketime >/dev/null 2>&1 || missing+=(faketime)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+[[ -x /usr/sbin/runc || -x /usr/bin/runc ]] || missing+=(runc)
 if ((${#missing[@]} == 0)); then
   exit 0
 fi
@@ -77,4 +80,5 @@ if [[ " ${missing[*]} " == *" prometheus "* ]]; then
   $sudo pkill -x prometheus 2>/dev/null || true
 fi
 command -v lua5.1 >/dev/null && command -v promtool >/dev/null && command -v faketime >/dev/null && command -v redis-server >/dev/null
+[[ -x /usr/sbin/runc || -x /usr/bin/runc ]]
 log "done"

@@ -371,10 +371,31 @@ func (d *driver) collectGarbage(ctx context.Context) {
 	}
 	for _, kv := range kvs.KVPairs {
 		key, ok := kv.Key.(model.IPAMHandleKey)
-		if ok && strings.HasPrefix(key.HandleID, handlePrefix) && !live[key.HandleID] {
+		if ok && strings.HasPrefix(key.HandleID, handlePrefix) && isPodUID(key.HandleID[len(handlePrefix):]) && !live[key.HandleID] {
 			d.queue.Add("handle/" + key.HandleID)
 		}
 	}
+}
+
+// isPodUID says whether a handle's suffix is a Pod UID, as the driver names its handles.
+// Calico's CNI plugin on a real node names its handles k8s-pod-network.<container id>
+// (64 hex digits): those belong to the plugin and its node, and are never the driver's
+// to free.
+func isPodUID(s string) bool {
+	if len(s) != 36 {
+		return false
+	}
+	for i, c := range s {
+		switch {
+		case i == 8 || i == 13 || i == 18 || i == 23:
+			if c != '-' {
+				return false
+			}
+		case !strings.ContainsRune("0123456789abcdef", c):
+			return false
+		}
+	}
+	return true
 }
 
 func podIPs(ips []string) []map[string]string {

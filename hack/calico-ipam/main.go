@@ -47,11 +47,12 @@ var commands = map[string]func(ctx context.Context, args []string) error{
 	"oracle":  cmdOracle,
 	"bench":   cmdBench,
 	"blocks":  cmdBlocks,
+	"host":    cmdHost,
 }
 
 func main() {
 	if len(os.Args) < 2 || commands[os.Args[1]] == nil {
-		fmt.Fprintln(os.Stderr, "usage: capo-calico-ipam <run|setup|check|assign|release|reserve|oracle|bench|blocks> [flags] (-h for a command's flags)")
+		fmt.Fprintln(os.Stderr, "usage: capo-calico-ipam <run|setup|check|assign|release|reserve|oracle|bench|blocks|host> [flags] (-h for a command's flags)")
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

@@ -75,6 +75,26 @@ func exitCode(code int, err error) error {
 	return exitError{code, err}
 }
 
+// cmdHost makes Calico know a host, as calico/node does when it starts there: the real
+// node of the test environment (its CNI plugin assigns on the host's behalf).
+func cmdHost(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("host", flag.ContinueOnError)
+	var c common
+	c.register(fs)
+	name := fs.String("name", "", "the host (required)")
+	if err := parse(fs, &c, args); err != nil {
+		return err
+	}
+	if *name == "" {
+		return fmt.Errorf("--name is required: %w", errUsage)
+	}
+	cal, err := c.calicoClient()
+	if err != nil {
+		return err
+	}
+	return cal.ensureHost(ctx, *name)
+}
+
 func cmdAssign(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("assign", flag.ContinueOnError)
 	var c common

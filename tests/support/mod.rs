@@ -59,10 +59,15 @@ pub fn metric_value(app: &capo::App, needle: &str) -> Option<f64> {
 /// Runs kubectl against the test control plane (with `stdin` if given); returns whether
 /// it succeeded and what it printed.
 pub async fn kubectl(args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    kubectl_with(&capo_testenv::shared().kubeconfig, args, stdin).await
+}
+
+/// [`kubectl`] against the control plane of `kubeconfig`.
+pub async fn kubectl_with(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> (bool, String) {
     use tokio::io::AsyncWriteExt;
     let mut child = tokio::process::Command::new("kubectl")
         .args(args)
-        .env("KUBECONFIG", &capo_testenv::shared().kubeconfig)
+        .env("KUBECONFIG", kubeconfig)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -40,14 +40,33 @@ pub fn private_plane_with(name: &str, audit: bool, calico: Calico) -> PrivatePla
 
 /// [`private_plane_with`] whose kube-apiserver gets the further flags `apiserver_args`.
 pub fn private_plane_configured(name: &str, audit: bool, calico: Calico, apiserver_args: Vec<String>) -> PrivatePlane {
+    start(name, calico, move |opts| {
+        opts.audit = audit;
+        opts.apiserver_args = apiserver_args;
+    })
+}
+
+/// A control plane with an audit log, one kwok node and the real node
+/// ([`capo_testenv::real_node`]): containerd, a kubelet and Calico's CNI plugin.
+pub fn private_plane_with_real_node(name: &str, calico: Calico) -> PrivatePlane {
+    start(name, calico, |opts| {
+        opts.audit = true;
+        opts.real_node = true;
+    })
+}
+
+fn start(
+    name: &str,
+    calico: Calico,
+    configure: impl FnOnce(&mut capo_testenv::Options) + Send + 'static,
+) -> PrivatePlane {
     let (requests, rx) = std::sync::mpsc::channel::<Request>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dir = std::env::temp_dir().join(format!("capo-private-{name}-{}", std::process::id()));
     let state_dir = dir.clone();
     let owner = std::thread::spawn(move || {
         let mut opts = capo_testenv::Options::new(dir.clone(), 1);
-        opts.audit = audit;
-        opts.apiserver_args = apiserver_args;
+        configure(&mut opts);
         let mut cp = match capo_testenv::ControlPlane::start_with(opts, calico) {
             Ok(cp) => cp,
             Err(e) => {

@@ -45,6 +45,28 @@ pub fn locate_calico_apiserver() -> Result<PathBuf, Error> {
     Ok(dir.join("bin/calico-apiserver"))
 }
 
+/// The real node's directory (`bin/kubelet`, `bin/containerd`, `cni/calico`,
+/// `images/*.tar`): `CAPO_REAL_NODE`, or what `build-real-node.sh` prints.
+pub fn locate_real_node() -> Result<PathBuf, Error> {
+    let dir = match std::env::var_os("CAPO_REAL_NODE") {
+        Some(dir) => PathBuf::from(dir),
+        None => run_build_script("build-real-node.sh")?,
+    };
+    check(
+        &dir,
+        &[
+            "bin/kubelet",
+            "bin/containerd",
+            "bin/containerd-shim-runc-v2",
+            "bin/ctr",
+            "cni/calico",
+            "images/pause.tar",
+            "images/listen.tar",
+        ],
+    )?;
+    Ok(dir)
+}
+
 /// Runs a build script of `hack/` and returns the directory it prints last.
 fn run_build_script(name: &str) -> Result<PathBuf, Error> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name);

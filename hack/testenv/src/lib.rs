@@ -19,6 +19,7 @@ mod kubeconfig;
 mod nodes;
 mod pki;
 mod process;
+pub mod real_node;
 pub mod route;
 
 use std::net::TcpListener;
@@ -53,6 +54,8 @@ pub enum Error {
     Kubeconfig { path: PathBuf, message: String },
     #[error("kwok stages {path}: {message}")]
     KwokStages { path: PathBuf, message: String },
+    #[error("{program} {args}: {stderr}")]
+    Command { program: PathBuf, args: String, stderr: String },
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
 }
@@ -70,6 +73,9 @@ pub struct Options {
     pub audit: bool,
     /// Further kube-apiserver flags (e.g. `--admission-control-config-file`).
     pub apiserver_args: Vec<String>,
+    /// A real node beside the kwok nodes (see [`real_node`]): containerd, a real kubelet
+    /// and Calico's own CNI plugin (Calico on the Kubernetes or etcd datastore).
+    pub real_node: bool,
 }
 
 /// Calico in the control plane: which datastore Calico's IPAM library uses.
@@ -117,7 +123,7 @@ impl CalicoEtcd {
 
 impl Options {
     pub fn new(state_dir: impl Into<PathBuf>, nodes: usize) -> Self {
-        Self { state_dir: state_dir.into(), nodes, audit: false, apiserver_args: Vec::new() }
+        Self { state_dir: state_dir.into(), nodes, audit: false, apiserver_args: Vec::new(), real_node: false }
     }
 }
 
@@ -297,6 +303,11 @@ impl ControlPlane {
                     "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
                     "--requestheader-group-headers=X-Remote-Group".into(),
                     "--requestheader-username-headers=X-Remote-User".into(),
+                    // The real node's kubelet is reached at its address, not its name, and
+                    // trusts the CA's certificates (logs, exec).
+                    "--kubelet-preferred-address-types=InternalIP".into(),
+                    path_arg("kubelet-client-certificate", &p("admin.crt")),
+                    path_arg("kubelet-client-key", &p("admin.key")),
                     "--v=1".into(),
                 ])
                 .collect(),
@@ -373,7 +384,11 @@ impl ControlPlane {
             if calico == Calico::ApiServer {
                 cp.start_calico_apiserver(&client).await?;
             }
-            cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60)).await
+            cp.wait_nodes_ready(&client, opts.nodes, Duration::from_secs(60)).await?;
+            if opts.real_node {
+                cp.start_real_node(&client).await?;
+            }
+            Ok::<_, Error>(())
         })?;
         Ok(cp)
     }
@@ -543,11 +558,16 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Stops every component, newest first.
+    /// Stops every component, newest first, and takes away what a real node made.
     pub fn stop(&mut self) {
         while let Some(mut c) = self.components.pop() {
+            if c.name == "kubelet" {
+                // Its Pods' containers would outlive it: clean() stops them all at once.
+                real_node::clean(&self.state_dir);
+            }
             c.stop(Duration::from_secs(5));
         }
+        real_node::clean(&self.state_dir);
     }
 }
 
@@ -589,6 +609,7 @@ fn sweep_stale(root: &Path) {
     for entry in entries.flatten() {
         let pid = std::fs::read_to_string(entry.path().join("pid")).ok().and_then(|s| s.trim().parse::<i32>().ok());
         if pid.is_none_or(|pid| !process::alive(pid)) {
+            real_node::clean(&entry.path());
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -626,6 +647,7 @@ static STATE_DIR: OnceLock<PathBuf> = OnceLock::new();
 
 extern "C" fn remove_state_at_exit() {
     if let Some(dir) = STATE_DIR.get() {
+        real_node::clean(dir);
         let _ = std::fs::remove_dir_all(dir);
     }
 }

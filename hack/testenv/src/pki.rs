@@ -39,8 +39,8 @@ fn new_ca(name: &str) -> Result<(String, Issuer<'static, KeyPair>), Error> {
 }
 
 /// Writes `ca.crt`, `apiserver.{crt,key}`, `admin.{crt,key}`, `sa.{key,pub}`,
-/// `front-proxy-ca.crt`, `front-proxy-client.{crt,key}` and `calico-apiserver.{crt,key}`
-/// into `dir`.
+/// `front-proxy-ca.crt`, `front-proxy-client.{crt,key}`, `calico-apiserver.{crt,key}` and
+/// the real node's `node.{crt,key}` into `dir`.
 pub fn write(dir: &Path) -> Result<Pki, Error> {
     let (ca_pem, ca) = new_ca("capo-testenv-ca")?;
 
@@ -85,6 +85,15 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
     proxy.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
     let proxy_cert = proxy.signed_by(&proxy_key, &proxy_ca).map_err(cert_err("front-proxy client certificate"))?;
 
+    // The real node's kubelet (crate::real_node): a node's identity, as the Node
+    // authorizer knows it.
+    let node_key = KeyPair::generate().map_err(cert_err("node key"))?;
+    let mut node = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("node params"))?;
+    node.distinguished_name.push(DnType::CommonName, format!("system:node:{}", crate::real_node::REAL_NODE));
+    node.distinguished_name.push(DnType::OrganizationName, "system:nodes");
+    node.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let node_cert = node.signed_by(&node_key, &ca).map_err(cert_err("node certificate"))?;
+
     let pki =
         Pki { ca_pem: ca_pem.clone(), admin_cert_pem: admin_cert.pem(), admin_key_pem: admin_key.serialize_pem() };
     let files = [
@@ -100,6 +109,8 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
         ("front-proxy-client.key", proxy_key.serialize_pem()),
         ("calico-apiserver.crt", calico_cert.pem()),
         ("calico-apiserver.key", calico_key.serialize_pem()),
+        ("node.crt", node_cert.pem()),
+        ("node.key", node_key.serialize_pem()),
     ];
     for (name, pem) in files {
         let path = dir.join(name);

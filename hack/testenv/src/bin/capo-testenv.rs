@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use capo_testenv::{Calico, ControlPlane, Options};
 
 const USAGE: &str =
-    "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N] [--calico kubernetes|etcd|apiserver|off]
+    "usage: capo-testenv <up|down|status|serve> [--state-dir DIR] [--nodes N] [--calico kubernetes|etcd|apiserver|off] [--real-node]
        capo-testenv route <namespace>/<service> <port-name>=<local port> [--state-dir DIR]
        capo-testenv <argocd-up|argocd-serve> [--state-dir DIR] [--resync SECONDS]";
 
@@ -28,6 +28,7 @@ fn main() {
     let mut nodes = 2usize;
     let mut calico = Calico::default();
     let mut resync = 10u64;
+    let mut real_node = false;
     let mut cmd = None;
     let mut operands = Vec::new();
     let mut it = args.iter();
@@ -44,6 +45,7 @@ fn main() {
                     _ => fail(USAGE),
                 }
             }
+            "--real-node" => real_node = true,
             "--resync" => resync = it.next().and_then(|n| n.parse().ok()).unwrap_or_else(|| fail(USAGE)),
             "up" | "down" | "status" | "serve" | "route" | "argocd-up" | "argocd-serve" if cmd.is_none() => {
                 cmd = Some(a.clone())
@@ -54,10 +56,10 @@ fn main() {
     }
     match cmd.as_deref() {
         Some("route") => route(&state_dir, &operands),
-        Some("up") => up(&state_dir, nodes, calico),
+        Some("up") => up(&state_dir, nodes, calico, real_node),
         Some("down") => down(&state_dir),
         Some("status") => status(&state_dir),
-        Some("serve") => serve(&state_dir, nodes, calico),
+        Some("serve") => serve(&state_dir, nodes, calico, real_node),
         Some("argocd-up") => argocd_up(&state_dir, resync),
         Some("argocd-serve") => argocd_serve(&state_dir, Duration::from_secs(resync)),
         _ => fail(USAGE),
@@ -93,7 +95,7 @@ fn calico_arg(calico: Calico) -> &'static str {
     }
 }
 
-fn up(state_dir: &Path, nodes: usize, calico: Calico) {
+fn up(state_dir: &Path, nodes: usize, calico: Calico, real_node: bool) {
     if supervisor_pid(state_dir).is_some() {
         println!("export KUBECONFIG={}", abs(state_dir).join("kubeconfig").display());
         eprintln!("capo-testenv: already running in {}", state_dir.display());
@@ -102,7 +104,11 @@ fn up(state_dir: &Path, nodes: usize, calico: Calico) {
     let _ = std::fs::remove_dir_all(state_dir);
     std::fs::create_dir_all(state_dir).unwrap_or_else(|e| fail(&format!("{}: {e}", state_dir.display())));
     let state_dir = abs(state_dir);
-    let args = ["serve".to_string(), "--nodes".into(), nodes.to_string(), "--calico".into(), calico_arg(calico).into()];
+    let mut args =
+        vec!["serve".to_string(), "--nodes".into(), nodes.to_string(), "--calico".into(), calico_arg(calico).into()];
+    if real_node {
+        args.push("--real-node".into());
+    }
     // A cold build of the binaries included.
     let took = detach(&state_dir, &state_dir, &args, Duration::from_secs(30 * 60), "the control plane");
     eprintln!("capo-testenv: control plane ready in {:.1}s; logs in {}", took.as_secs_f64(), state_dir.display());
@@ -141,10 +147,12 @@ fn detach(state_dir: &Path, dir: &Path, args: &[String], limit: Duration, what: 
     }
 }
 
-fn serve(state_dir: &Path, nodes: usize, calico: Calico) {
+fn serve(state_dir: &Path, nodes: usize, calico: Calico, real_node: bool) {
     std::fs::write(state_dir.join("supervisor.pid"), std::process::id().to_string())
         .unwrap_or_else(|e| fail(&e.to_string()));
-    let cp = ControlPlane::start_with(Options::new(state_dir, nodes), calico).unwrap_or_else(|e| fail(&e.to_string()));
+    let mut opts = Options::new(state_dir, nodes);
+    opts.real_node = real_node;
+    let cp = ControlPlane::start_with(opts, calico).unwrap_or_else(|e| fail(&e.to_string()));
     for (name, pid) in cp.pids() {
         eprintln!("{name}: pid {pid}");
     }
@@ -179,6 +187,8 @@ fn down(state_dir: &Path) {
     } else {
         eprintln!("capo-testenv: not running");
     }
+    // A supervisor that was killed (SIGKILL) could not clean up after a real node.
+    capo_testenv::real_node::clean(&abs(state_dir));
     let _ = std::fs::remove_dir_all(state_dir);
 }
 

@@ -1,0 +1,577 @@
+//! capo against a real node: containerd and a real kubelet (built from the control plane's
+//! own Kubernetes module) run the Pods, and Calico's own CNI plugin and IPAM (v3.28.5)
+//! give them their addresses and take them back (see `capo_testenv::real_node`). What the
+//! kwok nodes cannot show: a kubelet that really stops containers after the API server
+//! marks a Pod deleted, Calico's CNI DEL freeing the address after capo held it, and a
+//! recreated Pod wired by Calico's CNI ADD.
+//!
+//! The compatibility pass (`make test-compat`, `CAPO_SKIP_REAL_NODE=1`) skips these
+//! tests, saying so: the real node's kubelet is built for the default Kubernetes only.
+
+mod support;
+
+use std::io::Read;
+use std::net::{IpAddr, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use capo_testenv::Calico;
+use capo_testenv::real_node::{LISTEN_IMAGE, REAL_NODE, cni_log};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::leading::{V1, release_settings};
+use support::plane::{PrivatePlane, private_plane_with_real_node};
+use support::*;
+
+/// One real node at a time: each test's machine-state checks must not see another's.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn skipped() -> bool {
+    if std::env::var_os("CAPO_SKIP_REAL_NODE").is_some() {
+        eprintln!("skipped: CAPO_SKIP_REAL_NODE is set (the compatibility pass runs no real node)");
+        return true;
+    }
+    false
+}
+
+async fn prepare(client: &Client, ns: &str) {
+    install_capo_crds(client).await;
+    for name in ["capo-system", ns] {
+        let obj: Namespace = serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap();
+        let _ = Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &obj).await;
+    }
+    // The canary through which start-up checks that the API server calls capo.
+    create_pod_with_ips(client, ns, unscheduled_pod("canary", &[], &[]), &[Ips::v4()]).await;
+}
+
+/// An in-process capo that serves the webhook for `ns` and leads.
+async fn start_capo_for(client: &Client, ns: &str) -> capo::App {
+    let mut settings = capo_settings(&format!("capo-{ns}"), &[ns], None);
+    settings.release = Some(release_settings(ns, "a", Duration::from_secs(600)));
+    init_tracing();
+    let app = capo::App::start(client.clone(), settings).await.expect("start capo");
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    eventually("the API server to call capo", Duration::from_secs(60), || {
+        let (pods, metrics) = (pods.clone(), app.metrics.clone());
+        async move {
+            let _ = pods.delete("canary", &DeleteParams { dry_run: true, ..Default::default() }).await;
+            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
+        }
+    })
+    .await;
+    app
+}
+
+/// A one-replica StatefulSet on the real node: capo's test workload, listening on 6379
+/// and answering with its Pod's name, Ready when the kubelet's TCP probe reaches it.
+fn redis_statefulset(name: &str) -> StatefulSet {
+    serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": { "matchLabels": { "app": name } },
+            "template": {
+                "metadata": { "labels": { "app": name } },
+                "spec": {
+                    "nodeSelector": { "kubernetes.io/hostname": REAL_NODE },
+                    "terminationGracePeriodSeconds": 5,
+                    "enableServiceLinks": false,
+                    "automountServiceAccountToken": false,
+                    "containers": [{
+                        "name": "listen",
+                        "image": LISTEN_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "env": [{ "name": "POD_NAME", "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
+                        "ports": [{ "containerPort": 6379, "name": "redis" }],
+                        "readinessProbe": { "tcpSocket": { "port": 6379 }, "periodSeconds": 1 },
+                    }],
+                },
+            },
+        },
+    }))
+    .unwrap()
+}
+
+/// Waits until `name` is a Pod other than `not_uid`, Ready on the real node with an IP.
+async fn wait_ready(client: &Client, ns: &str, name: &str, not_uid: Option<&str>) -> Pod {
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    eventually(&format!("{ns}/{name} Ready on {REAL_NODE}"), Duration::from_secs(90), || {
+        let api = api.clone();
+        async move {
+            let p = api.get_opt(name).await.ok()??;
+            if not_uid.is_some_and(|u| p.uid().as_deref() == Some(u)) || p.metadata.deletion_timestamp.is_some() {
+                return None;
+            }
+            let s = p.status.as_ref()?;
+            let ready = s.conditions.as_ref()?.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+            (ready && s.pod_ip.as_deref().is_some_and(|ip| !ip.is_empty())).then_some(p.clone())
+        }
+    })
+    .await
+}
+
+/// What answers on `ip`:6379 (the workload writes its Pod's name), from this machine
+/// through the route Calico's CNI plugin made.
+fn who_answers(ip: IpAddr) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect_timeout(&(ip, 6379).into(), Duration::from_secs(3))?;
+    stream.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let mut out = String::new();
+    stream.read_to_string(&mut out)?;
+    Ok(out.trim().to_string())
+}
+
+/// The times (UTC) of the lines of Calico's CNI log that contain every one of `needles`.
+fn cni_log_times(state_dir: &Path, needles: &[&str]) -> Vec<(Timestamp, String)> {
+    let text = std::fs::read_to_string(cni_log(state_dir)).unwrap_or_default();
+    text.lines()
+        .filter(|l| needles.iter().all(|n| l.contains(n)))
+        .filter_map(|l| {
+            // "2026-11-27 08:20:01.123 [INFO][42] ...": local time, which is UTC here.
+            let at = l.get(..23)?.replacen(' ', "T", 1) + "Z";
+            Some((at.parse().ok()?, l.to_string()))
+        })
+        .collect()
+}
+
+/// The IPAM handle (`k8s-pod-network.<sandbox id>`) Calico's IPAM plugin assigned `ip`
+/// under, from its log.
+fn handle_assigned(state_dir: &Path, ip: IpAddr) -> Option<String> {
+    let text = std::fs::read_to_string(cni_log(state_dir)).unwrap_or_default();
+    let assigned = format!("IPAM assigned addresses IPv4=[{ip}/");
+    text.lines().filter(|l| l.contains(&assigned)).find_map(|l| {
+        let start = l.find("HandleID=\"")? + "HandleID=\"".len();
+        Some(l[start..].split('"').next()?.to_string())
+    })
+}
+
+/// The real path end to end: a StatefulSet Pod on the real node gets its address from
+/// Calico's CNI ADD and answers on it; `kubectl delete pod` holds the address (in capo's
+/// reservation when the DELETE returns, as the API server's audit log times it) before the
+/// kubelet stops the containers and Calico's CNI DEL frees it (the CNI plugin's log times
+/// that); the recreated Pod gets another address from Calico's CNI ADD and answers there;
+/// the held one is released after `reserveFor`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pods_address_is_held_before_calicos_cni_del_and_the_new_pod_gets_another() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = private_plane_with_real_node("real-node-holds", Calico::Kubernetes);
+    let client = plane.client().await;
+    let ns = "real-holds";
+    let policy = format!("{ns}-redis");
+    prepare(&client, ns).await;
+    let _capo = start_capo_for(&client, ns).await;
+    apply_policy(
+        &client,
+        &policy,
+        ns,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "20s" }),
+    )
+    .await;
+
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
+    sets.create(&PostParams::default(), &redis_statefulset("redis")).await.unwrap();
+    let first = wait_ready(&client, ns, "redis-0", None).await;
+    let x = pod_ips(&first)[0];
+    assert_eq!(first.spec.as_ref().unwrap().node_name.as_deref(), Some(REAL_NODE));
+    assert_eq!(who_answers(x).unwrap(), "redis-0", "redis-0 answers on {x}, through Calico's route");
+    let handle = handle_assigned(&plane.state_dir, x)
+        .unwrap_or_else(|| panic!("Calico's IPAM plugin assigned {x} to redis-0:\n{}", cni_text(&plane)));
+    assert!(handle.starts_with("k8s-pod-network."), "{handle}");
+
+    Api::<Pod>::namespaced(client.clone(), ns).delete("redis-0", &DeleteParams::default()).await.unwrap();
+    let rec = record(&client, x).await.expect("the record, when the DELETE returns");
+    assert_eq!(rec.spec.pod.name, "redis-0");
+    let entries = policy_entries(&client, V1, &policy).await;
+    assert!(entries.contains(&cidr(x)), "{x} held when the DELETE returns: {entries:?}");
+    let held_at = audit_hold_time(&plane, &cidr(x));
+
+    let second = wait_ready(&client, ns, "redis-0", first.uid().as_deref()).await;
+    let y = pod_ips(&second)[0];
+    assert_ne!(y, x, "the recreated redis-0 was given another address");
+    assert_eq!(who_answers(y).unwrap(), "redis-0");
+    // Calico's CNI DEL released the old sandbox's handle, after capo held its address.
+    let freed_at = cni_released_at(&plane, &handle);
+    eprintln!("held at {held_at}, freed by Calico's CNI DEL at {freed_at}");
+    assert!(held_at < freed_at, "held ({held_at}) before Calico freed it ({freed_at})");
+    let entries = policy_entries(&client, V1, &policy).await;
+    assert!(entries.contains(&cidr(x)), "{x} still held after Calico's CNI DEL: {entries:?}");
+
+    eventually(&format!("{x} released after reserveFor"), Duration::from_secs(60), || async {
+        (record(&client, x).await.is_none() && !policy_entries(&client, V1, &policy).await.contains(&cidr(x)))
+            .then_some(())
+    })
+    .await;
+    drop(plane);
+}
+
+/// When the API server answered the write that put `entry` into a capo reservation.
+fn audit_hold_time(plane: &PrivatePlane, entry: &str) -> Timestamp {
+    audit_time(plane, "ipreservations", entry)
+}
+
+/// When the API server first answered a write to `resource` whose body contains `needle`.
+fn audit_time(plane: &PrivatePlane, resource: &str, needle: &str) -> Timestamp {
+    plane
+        .audit()
+        .into_iter()
+        .filter(|e| e.ok() && e.resource == resource && e.request.to_string().contains(needle))
+        .map(|e| e.at)
+        .min()
+        .unwrap_or_else(|| panic!("no write to {resource} with {needle} in the audit log"))
+}
+
+/// The first time Calico's CNI log says it released `handle` (CNI DEL).
+fn cni_released_at(plane: &PrivatePlane, handle: &str) -> Timestamp {
+    let released = cni_log_times(&plane.state_dir, &["Releasing address using handleID", handle]);
+    let (at, line) =
+        released.first().cloned().unwrap_or_else(|| panic!("Calico's CNI DEL released {handle}:\n{}", cni_text(plane)));
+    eprintln!("Calico's CNI DEL: {line}");
+    at
+}
+
+fn cni_text(plane: &PrivatePlane) -> String {
+    std::fs::read_to_string(cni_log(&plane.state_dir)).unwrap_or_default()
+}
+
+/// The same path with Calico on its etcd datastore (a kubeasz-style cluster): the CNI
+/// plugin assigns from and frees to Calico's etcd, and capo holds there: the address is in
+/// capo's reservation in etcd, and its record written, before Calico's CNI DEL frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_calicos_etcd_the_address_is_held_in_etcd_before_calicos_cni_del() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = private_plane_with_real_node("real-node-etcd", Calico::Etcd);
+    let client = plane.client().await;
+    let etcd = plane.calico_etcd.clone().expect("Calico's etcd");
+    let http = support::etcd::etcd_http(&etcd, true);
+    let ns = "real-etcd";
+    let policy = format!("{ns}-redis");
+    prepare(&client, ns).await;
+    let mut settings = capo_settings(&format!("capo-{ns}"), &[ns], None);
+    settings.calico_etcd = Some(capo::calico::etcd::EtcdConfig {
+        endpoints: vec![etcd.endpoints.clone()],
+        ca_cert_file: Some(etcd.ca_cert_file.clone()),
+        cert_file: Some(etcd.cert_file.clone()),
+        key_file: Some(etcd.key_file.clone()),
+    });
+    settings.release = Some(release_settings(ns, "a", Duration::from_secs(600)));
+    init_tracing();
+    let capo = capo::App::start(client.clone(), settings).await.expect("start capo");
+    assert_eq!(capo.calico_api, capo_api::CalicoApiGroup::V3);
+    let canary = Api::<Pod>::namespaced(client.clone(), ns);
+    eventually("the API server to call capo", Duration::from_secs(60), || {
+        let (pods, metrics) = (canary.clone(), capo.metrics.clone());
+        async move {
+            let _ = pods.delete("canary", &DeleteParams { dry_run: true, ..Default::default() }).await;
+            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
+        }
+    })
+    .await;
+    apply_policy(
+        &client,
+        &policy,
+        ns,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m" }),
+    )
+    .await;
+
+    // Its writes to Calico's etcd are not in the API server's audit log: the test sees the
+    // hold in etcd right after the DELETE returns, and a preStop sleep keeps the kubelet
+    // from stopping the Pod (and Calico's CNI DEL from running) within 2 s of the deletion.
+    let mut set = redis_statefulset("redis");
+    let container = &mut set.spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
+    container.lifecycle = Some(serde_json::from_value(json!({ "preStop": { "sleep": { "seconds": 2 } } })).unwrap());
+    Api::<StatefulSet>::namespaced(client.clone(), ns).create(&PostParams::default(), &set).await.unwrap();
+    let first = wait_ready(&client, ns, "redis-0", None).await;
+    let x = pod_ips(&first)[0];
+    assert_eq!(who_answers(x).unwrap(), "redis-0");
+    let handle = handle_assigned(&plane.state_dir, x)
+        .unwrap_or_else(|| panic!("Calico's IPAM plugin assigned {x}:\n{}", cni_text(&plane)));
+    let key = format!("/calico/ipam/v2/handle/{handle}");
+    assert!(
+        !support::etcd::etcd_range(&http, &etcd, &key).await.is_empty(),
+        "Calico's CNI plugin keeps its handle in Calico's etcd ({key})"
+    );
+
+    Api::<Pod>::namespaced(client.clone(), ns).delete("redis-0", &DeleteParams::default()).await.unwrap();
+    let in_etcd = |http: reqwest::Client, etcd: capo_testenv::CalicoEtcd| async move {
+        support::etcd::etcd_range(&http, &etcd, support::etcd::RESERVATIONS_KEY)
+            .await
+            .into_iter()
+            .any(|(_, v)| String::from_utf8_lossy(&v).contains(&format!("\"{}\"", cidr(x))))
+    };
+    assert!(
+        in_etcd(http.clone(), etcd.clone()).await,
+        "{x} in capo's reservation in Calico's etcd when the DELETE returns"
+    );
+    let seen_at = Timestamp::now();
+    let second = wait_ready(&client, ns, "redis-0", first.uid().as_deref()).await;
+    assert_ne!(pod_ips(&second)[0], x);
+    let freed_at = cni_released_at(&plane, &handle);
+    eprintln!("seen held in etcd at {seen_at}, freed by Calico's CNI DEL at {freed_at}");
+    assert!(seen_at < freed_at, "held ({seen_at}) before Calico freed it ({freed_at})");
+    assert!(in_etcd(http.clone(), etcd.clone()).await, "{x} still held after Calico's CNI DEL");
+}
+
+/// What a real node could leave behind on this machine: mounts, network interfaces and
+/// routes, processes of the runtime and the Pods, cgroups, host paths containerd, the
+/// kubelet and Calico's CNI plugin use by default, and forwarding sysctls.
+#[derive(Debug, PartialEq, Eq)]
+struct Machine {
+    mounts: Vec<String>,
+    links: Vec<String>,
+    routes: Vec<String>,
+    processes: Vec<String>,
+    cgroups: Vec<String>,
+    paths: Vec<String>,
+    sysctls: Vec<String>,
+}
+
+fn machine() -> Machine {
+    let lines = |path: &str| -> Vec<String> {
+        let mut v: Vec<String> =
+            std::fs::read_to_string(path).unwrap_or_default().lines().map(str::to_string).collect();
+        v.sort();
+        v
+    };
+    let names = |path: &str| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(path)
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let mut mounts: Vec<String> =
+        lines("/proc/self/mountinfo").iter().filter_map(|l| l.split(' ').nth(4).map(str::to_string)).collect();
+    mounts.sort();
+    let programs = ["kubelet", "containerd", "containerd-shim", "runc", "pause", "listen", "calico"];
+    let mut processes: Vec<String> = names("/proc")
+        .into_iter()
+        .filter(|p| p.parse::<u32>().is_ok())
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| programs.iter().any(|p| c.starts_with(p)))
+        .collect();
+    processes.sort();
+    let cgroups = lines("/proc/self/mountinfo")
+        .iter()
+        .filter(|l| l.contains(" - cgroup"))
+        .filter_map(|l| l.split(' ').nth(4))
+        .flat_map(|m| names(m).into_iter().map(move |n| format!("{m}/{n}")))
+        .filter(|p| std::path::Path::new(p).is_dir())
+        .collect();
+    let paths = [
+        "/run/containerd",
+        "/var/lib/containerd",
+        "/var/lib/kubelet",
+        "/var/log/pods",
+        "/var/log/containers",
+        "/run/calico",
+        "/var/lib/calico",
+        "/var/log/calico",
+        "/etc/cni",
+        "/opt/cni",
+        "/run/netns",
+        "/var/run/netns",
+        "/run/nri",
+        "/etc/containerd",
+    ]
+    .iter()
+    .filter(|p| std::path::Path::new(p).exists())
+    .map(|p| p.to_string())
+    .collect();
+    let sysctls = ["net/ipv4/ip_forward", "net/ipv4/conf/all/forwarding", "net/ipv6/conf/all/forwarding"]
+        .iter()
+        .map(|s| format!("{s}={}", std::fs::read_to_string(format!("/proc/sys/{s}")).unwrap_or_default().trim()))
+        .collect();
+    Machine {
+        mounts,
+        links: names("/sys/class/net"),
+        routes: [lines("/proc/net/route"), lines("/proc/net/ipv6_route")].concat(),
+        processes,
+        cgroups,
+        paths,
+        sysctls,
+    }
+}
+
+/// A real node with a Pod running leaves nothing behind once its control plane stops,
+/// whether it stops in order (as `capo-testenv down` stops its supervisor, or a test's
+/// plane is dropped) or its supervisor was killed and only the clean-up runs
+/// (`capo-testenv down` after a SIGKILL, the sweep of a crashed test binary's state):
+/// no mount, interface, route, process, cgroup, host path or sysctl differs from before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_node_leaves_the_machine_as_it_found_it() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    for killed in [false, true] {
+        let before = machine();
+        let plane = private_plane_with_real_node(
+            if killed { "real-node-killed" } else { "real-node-stopped" },
+            Calico::Kubernetes,
+        );
+        let client = plane.client().await;
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": { "name": "listen" },
+            "spec": redis_statefulset("listen").spec.unwrap().template.spec,
+        }))
+        .unwrap();
+        Api::<Pod>::namespaced(client.clone(), "default").create(&PostParams::default(), &pod).await.unwrap();
+        let pod = wait_ready(&client, "default", "listen", None).await;
+        assert_eq!(who_answers(pod_ips(&pod)[0]).unwrap(), "listen");
+        let during = machine();
+        assert_ne!(during.links, before.links, "the Pod's interface is on the machine while it runs");
+        assert_ne!(during.mounts, before.mounts, "the Pod's root filesystem is mounted while it runs");
+        if killed {
+            // What `capo-testenv down` does when its supervisor is gone: the clean-up alone,
+            // with every process still running.
+            capo_testenv::real_node::clean(&plane.state_dir);
+        }
+        drop(plane);
+        assert_eq!(machine(), before, "the machine after the real node (killed: {killed})");
+    }
+}
+
+/// A kubelet restart is not a deletion: the running Pod keeps its sandbox and address and
+/// capo holds nothing; a deletion after the restart is held as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_restart_holds_nothing_and_deletions_after_it_are_held() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = private_plane_with_real_node("real-node-restart", Calico::Kubernetes);
+    let client = plane.client().await;
+    let ns = "real-restart";
+    let policy = format!("{ns}-redis");
+    prepare(&client, ns).await;
+    let _capo = start_capo_for(&client, ns).await;
+    apply_policy(
+        &client,
+        &policy,
+        ns,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m" }),
+    )
+    .await;
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &redis_statefulset("redis"))
+        .await
+        .unwrap();
+    let pod = wait_ready(&client, ns, "redis-0", None).await;
+    let x = pod_ips(&pod)[0];
+
+    plane.restart("kubelet").await;
+    // The kubelet is back when it reports the Node Ready again after its restart, and has
+    // looked at the Pod (its Ready condition is probed anew).
+    let restarted = eventually("the restarted kubelet to report its Pod", Duration::from_secs(60), || async {
+        let p = Api::<Pod>::namespaced(client.clone(), ns).get("redis-0").await.ok()?;
+        let s = p.status.clone()?;
+        let ready = s.conditions?.into_iter().find(|c| c.type_ == "Ready" && c.status == "True")?;
+        (ready.last_transition_time? > pod.status.as_ref()?.start_time.clone()?).then_some(p)
+    })
+    .await;
+    assert_eq!(restarted.uid(), pod.uid(), "the same Pod");
+    assert_eq!(pod_ips(&restarted), vec![x], "the same address");
+    assert_eq!(who_answers(x).unwrap(), "redis-0");
+    assert!(record(&client, x).await.is_none(), "a kubelet restart holds nothing");
+    assert!(policy_entries(&client, V1, &policy).await.is_empty());
+
+    Api::<Pod>::namespaced(client.clone(), ns).delete("redis-0", &DeleteParams::default()).await.unwrap();
+    assert!(record(&client, x).await.is_some(), "{x} held when the DELETE returns, after the restart");
+    assert!(policy_entries(&client, V1, &policy).await.contains(&cidr(x)));
+    let again = wait_ready(&client, ns, "redis-0", pod.uid().as_deref()).await;
+    assert_ne!(pod_ips(&again)[0], x);
+}
+
+/// `kubectl drain` of the real node: the StatefulSet's Pods are evicted one at a time
+/// through their PodDisruptionBudget (the eviction API, as drain calls it), each address is
+/// held with the trigger `Eviction` when its eviction is admitted, and the Pods come back
+/// on the other (kwok) node with other addresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_the_real_node_holds_each_evicted_pods_address() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = private_plane_with_real_node("real-node-drain", Calico::Kubernetes);
+    let client = plane.client().await;
+    let ns = "real-drain";
+    let policy = format!("{ns}-redis");
+    prepare(&client, ns).await;
+    let _capo = start_capo_for(&client, ns).await;
+    apply_policy(
+        &client,
+        &policy,
+        ns,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m" }),
+    )
+    .await;
+    let mut set = redis_statefulset("redis");
+    let spec = set.spec.as_mut().unwrap();
+    spec.replicas = Some(2);
+    spec.pod_management_policy = Some("Parallel".into());
+    // Template changes reach a Pod only when it is recreated (here: after its eviction).
+    spec.update_strategy = Some(serde_json::from_value(json!({ "type": "OnDelete" })).unwrap());
+    Api::<StatefulSet>::namespaced(client.clone(), ns).create(&PostParams::default(), &set).await.unwrap();
+    let pdb = json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": { "name": "redis", "namespace": ns },
+        "spec": { "maxUnavailable": 1, "selector": { "matchLabels": { "app": "redis" } } },
+    });
+    let (ok, out) = kubectl_on(&plane, &["apply", "-f", "-"], Some(&pdb.to_string())).await;
+    assert!(ok, "{out}");
+    let mut before = vec![];
+    for name in ["redis-0", "redis-1"] {
+        let p = wait_ready(&client, ns, name, None).await;
+        assert_eq!(p.spec.as_ref().unwrap().node_name.as_deref(), Some(REAL_NODE), "{name} starts on the real node");
+        before.push((name, p.uid().unwrap(), pod_ips(&p)[0]));
+    }
+    // Once evicted, a Pod may come back on any node (the kwok node, the real one being
+    // cordoned by the drain).
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
+    let unpin = json!({ "spec": { "template": { "spec": { "nodeSelector": null } } } });
+    sets.patch("redis", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&unpin)).await.unwrap();
+
+    let (ok, out) = kubectl_on(
+        &plane,
+        &[
+            "drain",
+            REAL_NODE,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--pod-selector=app=redis",
+            "--timeout=120s",
+        ],
+        None,
+    )
+    .await;
+    assert!(ok, "kubectl drain: {out}");
+    for (name, uid, ip) in &before {
+        let rec = record(&client, *ip).await.unwrap_or_else(|| panic!("{ip} of {name} held"));
+        assert_eq!(rec.spec.pod.name, *name);
+        assert_eq!(rec.spec.trigger, capo_api::HoldTrigger::Eviction, "{name} was evicted");
+        let again = wait_ready(&client, ns, name, Some(uid)).await;
+        assert_ne!(again.spec.as_ref().unwrap().node_name.as_deref(), Some(REAL_NODE), "{name} moved off the node");
+        assert_ne!(pod_ips(&again)[0], *ip);
+    }
+    let entries = policy_entries(&client, V1, &policy).await;
+    for (_, _, ip) in &before {
+        assert!(entries.contains(&cidr(*ip)), "{ip} in {entries:?}");
+    }
+}
+
+/// kubectl against `plane`.
+async fn kubectl_on(plane: &PrivatePlane, args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    kubectl_with(&plane.kubeconfig, args, stdin).await
+}
