@@ -577,6 +577,21 @@ async fn an_invalid_policy_fails_the_sync_with_the_api_servers_message_and_chang
     let after = record(&client, ip).await.expect("still held");
     assert_eq!(after.metadata.resource_version, rec.metadata.resource_version, "the record is untouched");
     assert_eq!(reservation(&client, CalicoApiGroup::CrdV1, &reservation_name).await, entries);
+
+    // Fixed forward: the Applications retry on the newest commit (`retry.refresh`), so the
+    // fix is synced at the next retry (5 s, 10 s, … up to 1 min apart), not once the bad
+    // commit's retries have run out (306.8 s was seen without it).
+    let fixed =
+        serde_saphyr::to_string(&policy(&bad, &ns.name, json!({ "podSelector": {}, "reserveFor": "2h" }))).unwrap();
+    let pushed = Instant::now();
+    let fix = policies.commit(&argo, "fix the bad policy", |r| r.write("argocd/policies/bad.yaml", &fixed)).await;
+    let policies_api = Api::<CapoPolicy>::all(client.clone());
+    eventually("the fix-forward commit to be synced", Duration::from_secs(75), || async {
+        policies_api.get_opt(&bad).await.ok()?.map(|_| ())
+    })
+    .await;
+    eprintln!("the fix-forward commit was applied {:.1} s after its push", pushed.elapsed().as_secs_f64());
+    argo.wait_synced_healthy(&policies.app, Some(&fix), SYNC_LIMIT).await;
     capo.shutdown().await;
     argo.delete_cascade(&policies.app).await;
 }
