@@ -28,15 +28,6 @@ use support::leading::release_settings;
 use support::plane::{PrivatePlane, private_plane_with};
 use support::*;
 
-fn etcd_config(etcd: &CalicoEtcd) -> EtcdConfig {
-    EtcdConfig {
-        endpoints: vec![etcd.endpoints.clone()],
-        ca_cert_file: Some(etcd.ca_cert_file.clone()),
-        cert_file: Some(etcd.cert_file.clone()),
-        key_file: Some(etcd.key_file.clone()),
-    }
-}
-
 /// capo's CRDs (no Calico CRDs: Calico keeps everything in its etcd), capo's namespace and
 /// the test's, labelled with `labels`.
 async fn prepare(client: &Client, ns: &str, labels: Value) {
@@ -54,18 +45,8 @@ async fn start_capo_on_etcd(client: &Client, plane: &PrivatePlane, ns: &str) -> 
     let mut settings = capo_settings(&format!("capo-{ns}"), &[ns], None);
     settings.calico_etcd = Some(etcd_config(plane.calico_etcd.as_ref().expect("Calico's etcd")));
     settings.release = Some(release_settings(ns, "a", Duration::from_secs(600)));
-    init_tracing();
-    let app = capo::App::start(client.clone(), settings).await.expect("start capo");
+    let app = start_capo_on(client, ns, "canary", settings).await;
     assert_eq!(app.calico_api, capo_api::CalicoApiGroup::V3, "Calico's etcd keeps projectcalico.org/v3 objects");
-    let pods = Api::<Pod>::namespaced(client.clone(), ns);
-    eventually("the API server to call capo", Duration::from_secs(60), || {
-        let (pods, metrics) = (pods.clone(), app.metrics.clone());
-        async move {
-            let _ = pods.delete("canary", &DeleteParams { dry_run: true, ..Default::default() }).await;
-            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
-        }
-    })
-    .await;
     app
 }
 

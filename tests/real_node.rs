@@ -48,22 +48,28 @@ async fn prepare(client: &Client, ns: &str) {
     create_pod_with_ips(client, ns, unscheduled_pod("canary", &[], &[]), &[Ips::v4()]).await;
 }
 
-/// An in-process capo that serves the webhook for `ns` and leads.
-async fn start_capo_for(client: &Client, ns: &str) -> capo::App {
+/// A test's real node: its control plane (with the real node), an in-process capo that
+/// serves the webhook for `ns` and leads (on Calico's etcd when the plane runs Calico
+/// there), and the policy `<ns>-redis` over the Pods labelled `app: redis`.
+struct Bench {
+    plane: PrivatePlane,
+    client: Client,
+    capo: capo::App,
+    policy: String,
+}
+
+async fn bench(name: &str, calico: Calico, ns: &str, reserve_for: &str) -> Bench {
+    let plane = private_plane_with_real_node(name, calico);
+    let client = plane.client().await;
+    prepare(&client, ns).await;
     let mut settings = capo_settings(&format!("capo-{ns}"), &[ns], None);
+    settings.calico_etcd = plane.calico_etcd.as_ref().map(support::etcd::etcd_config);
     settings.release = Some(release_settings(ns, "a", Duration::from_secs(600)));
-    init_tracing();
-    let app = capo::App::start(client.clone(), settings).await.expect("start capo");
-    let pods = Api::<Pod>::namespaced(client.clone(), ns);
-    eventually("the API server to call capo", Duration::from_secs(60), || {
-        let (pods, metrics) = (pods.clone(), app.metrics.clone());
-        async move {
-            let _ = pods.delete("canary", &DeleteParams { dry_run: true, ..Default::default() }).await;
-            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
-        }
-    })
-    .await;
-    app
+    let capo = start_capo_on(&client, ns, "canary", settings).await;
+    let policy = format!("{ns}-redis");
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": reserve_for });
+    apply_policy(&client, &policy, ns, spec).await;
+    Bench { plane, client, capo, policy }
 }
 
 /// A one-replica StatefulSet on the real node: capo's test workload, listening on 6379
@@ -161,19 +167,8 @@ async fn a_deleted_pods_address_is_held_before_calicos_cni_del_and_the_new_pod_g
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    let plane = private_plane_with_real_node("real-node-holds", Calico::Kubernetes);
-    let client = plane.client().await;
     let ns = "real-holds";
-    let policy = format!("{ns}-redis");
-    prepare(&client, ns).await;
-    let _capo = start_capo_for(&client, ns).await;
-    apply_policy(
-        &client,
-        &policy,
-        ns,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "20s" }),
-    )
-    .await;
+    let Bench { plane, client, policy, capo: _capo } = bench("real-node-holds", Calico::Kubernetes, ns, "20s").await;
 
     let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
     sets.create(&PostParams::default(), &redis_statefulset("redis")).await.unwrap();
@@ -249,41 +244,11 @@ async fn on_calicos_etcd_the_address_is_held_in_etcd_before_calicos_cni_del() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    let plane = private_plane_with_real_node("real-node-etcd", Calico::Etcd);
-    let client = plane.client().await;
+    let ns = "real-etcd";
+    let Bench { plane, client, capo, policy: _ } = bench("real-node-etcd", Calico::Etcd, ns, "10m").await;
+    assert_eq!(capo.calico_api, capo_api::CalicoApiGroup::V3, "capo holds in Calico's etcd");
     let etcd = plane.calico_etcd.clone().expect("Calico's etcd");
     let http = support::etcd::etcd_http(&etcd, true);
-    let ns = "real-etcd";
-    let policy = format!("{ns}-redis");
-    prepare(&client, ns).await;
-    let mut settings = capo_settings(&format!("capo-{ns}"), &[ns], None);
-    settings.calico_etcd = Some(capo::calico::etcd::EtcdConfig {
-        endpoints: vec![etcd.endpoints.clone()],
-        ca_cert_file: Some(etcd.ca_cert_file.clone()),
-        cert_file: Some(etcd.cert_file.clone()),
-        key_file: Some(etcd.key_file.clone()),
-    });
-    settings.release = Some(release_settings(ns, "a", Duration::from_secs(600)));
-    init_tracing();
-    let capo = capo::App::start(client.clone(), settings).await.expect("start capo");
-    assert_eq!(capo.calico_api, capo_api::CalicoApiGroup::V3);
-    let canary = Api::<Pod>::namespaced(client.clone(), ns);
-    eventually("the API server to call capo", Duration::from_secs(60), || {
-        let (pods, metrics) = (canary.clone(), capo.metrics.clone());
-        async move {
-            let _ = pods.delete("canary", &DeleteParams { dry_run: true, ..Default::default() }).await;
-            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
-        }
-    })
-    .await;
-    apply_policy(
-        &client,
-        &policy,
-        ns,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m" }),
-    )
-    .await;
-
     // Its writes to Calico's etcd are not in the API server's audit log: the test sees the
     // hold in etcd right after the DELETE returns, and a preStop sleep keeps the kubelet
     // from stopping the Pod (and Calico's CNI DEL from running) within 2 s of the deletion.
@@ -334,6 +299,33 @@ struct Machine {
     cgroups: Vec<String>,
     paths: Vec<String>,
     sysctls: Vec<String>,
+}
+
+impl Machine {
+    fn fields(&self) -> [(&'static str, &Vec<String>); 7] {
+        [
+            ("mounts", &self.mounts),
+            ("links", &self.links),
+            ("routes", &self.routes),
+            ("processes", &self.processes),
+            ("cgroups", &self.cgroups),
+            ("paths", &self.paths),
+            ("sysctls", &self.sysctls),
+        ]
+    }
+
+    /// What `self` has that `before` had not (+), and the reverse (-), field by field.
+    fn diff(&self, before: &Machine) -> String {
+        let mut out = String::new();
+        for ((name, now), (_, then)) in self.fields().into_iter().zip(before.fields()) {
+            let added: Vec<&String> = now.iter().filter(|x| !then.contains(x)).collect();
+            let gone: Vec<&String> = then.iter().filter(|x| !now.contains(x)).collect();
+            if !added.is_empty() || !gone.is_empty() || now.len() != then.len() {
+                out.push_str(&format!("\n{name}: +{added:?} -{gone:?} ({} → {})", then.len(), now.len()));
+            }
+        }
+        out
+    }
 }
 
 fn machine() -> Machine {
@@ -439,7 +431,8 @@ async fn a_real_node_leaves_the_machine_as_it_found_it() {
             capo_testenv::real_node::clean(&plane.state_dir);
         }
         drop(plane);
-        assert_eq!(machine(), before, "the machine after the real node (killed: {killed})");
+        let after = machine();
+        assert!(after == before, "the machine after the real node (killed: {killed}) differs: {}", after.diff(&before));
     }
 }
 
@@ -451,19 +444,8 @@ async fn a_kubelet_restart_holds_nothing_and_deletions_after_it_are_held() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    let plane = private_plane_with_real_node("real-node-restart", Calico::Kubernetes);
-    let client = plane.client().await;
     let ns = "real-restart";
-    let policy = format!("{ns}-redis");
-    prepare(&client, ns).await;
-    let _capo = start_capo_for(&client, ns).await;
-    apply_policy(
-        &client,
-        &policy,
-        ns,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m" }),
-    )
-    .await;
+    let Bench { plane, client, policy, capo: _capo } = bench("real-node-restart", Calico::Kubernetes, ns, "10m").await;
     Api::<StatefulSet>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &redis_statefulset("redis"))
         .await
@@ -504,19 +486,8 @@ async fn draining_the_real_node_holds_each_evicted_pods_address() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    let plane = private_plane_with_real_node("real-node-drain", Calico::Kubernetes);
-    let client = plane.client().await;
     let ns = "real-drain";
-    let policy = format!("{ns}-redis");
-    prepare(&client, ns).await;
-    let _capo = start_capo_for(&client, ns).await;
-    apply_policy(
-        &client,
-        &policy,
-        ns,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m" }),
-    )
-    .await;
+    let Bench { plane, client, policy, capo: _capo } = bench("real-node-drain", Calico::Kubernetes, ns, "10m").await;
     let mut set = redis_statefulset("redis");
     let spec = set.spec.as_mut().unwrap();
     spec.replicas = Some(2);

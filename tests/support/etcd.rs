@@ -4,6 +4,17 @@
 use capo_testenv::CalicoEtcd;
 use serde_json::json;
 
+/// capo's settings for Calico's etcd: the endpoints and the client certificate Calico's
+/// components get.
+pub fn etcd_config(etcd: &CalicoEtcd) -> capo::calico::etcd::EtcdConfig {
+    capo::calico::etcd::EtcdConfig {
+        endpoints: vec![etcd.endpoints.clone()],
+        ca_cert_file: Some(etcd.ca_cert_file.clone()),
+        cert_file: Some(etcd.cert_file.clone()),
+        key_file: Some(etcd.key_file.clone()),
+    }
+}
+
 /// An HTTPS client for Calico's etcd with the client certificate Calico's components get.
 pub fn etcd_http(etcd: &CalicoEtcd, with_identity: bool) -> reqwest::Client {
     let ca = reqwest::Certificate::from_pem(&std::fs::read(&etcd.ca_cert_file).unwrap()).unwrap();

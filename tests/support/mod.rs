@@ -254,6 +254,24 @@ pub async fn start_capo_with(client: &Client, ns: &str, settings: Settings) -> c
     app
 }
 
+/// Starts capo with `settings` against `client`'s control plane (a private one, say) and
+/// returns once the API server calls it: a dry-run DELETE of the Pod `canary` in `ns`
+/// (which the test made) reaches capo's webhook.
+pub async fn start_capo_on(client: &Client, ns: &str, canary: &str, settings: Settings) -> capo::App {
+    init_tracing();
+    let app = capo::App::start(client.clone(), settings).await.expect("start capo");
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    eventually("the API server to call capo", Duration::from_secs(60), || {
+        let (pods, metrics) = (pods.clone(), app.metrics.clone());
+        async move {
+            let _ = pods.delete(canary, &DeleteParams { dry_run: true, ..Default::default() }).await;
+            metrics.render().contains("capo_admission_requests_total{operation=\"delete\"").then_some(())
+        }
+    })
+    .await;
+    app
+}
+
 /// Applies a CapoPolicy whose namespaceSelector is `namespace` plus `spec`, and waits until
 /// capo reports it Ready for this generation.
 pub async fn apply_policy(client: &Client, name: &str, namespace: &str, mut spec: serde_json::Value) -> CapoPolicy {
