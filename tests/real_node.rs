@@ -203,6 +203,22 @@ async fn a_deleted_pods_address_is_held_before_calicos_cni_del_and_the_new_pod_g
             .then_some(())
     })
     .await;
+    // The recreated Pod has lived through several of the IPAM driver's garbage collections
+    // (every 2 s beside a real node): Calico's handle for it is still there, and it still
+    // answers on its address.
+    let handle_y = handle_assigned(&plane.state_dir, y).expect("Calico's IPAM plugin assigned y");
+    let handles = Api::<kube::api::DynamicObject>::all_with(
+        client.clone(),
+        &kube::api::ApiResource {
+            group: "crd.projectcalico.org".into(),
+            version: "v1".into(),
+            api_version: "crd.projectcalico.org/v1".into(),
+            kind: "IPAMHandle".into(),
+            plural: "ipamhandles".into(),
+        },
+    );
+    assert!(handles.get_opt(&handle_y).await.unwrap().is_some(), "{handle_y} of the running redis-0 is kept");
+    assert_eq!(who_answers(y).unwrap(), "redis-0", "the running redis-0 keeps {y}");
     drop(plane);
 }
 
