@@ -344,6 +344,12 @@ impl Machine {
     }
 }
 
+/// Whether a `/proc/<pid>/stat` line is a zombie's: its state follows the command name,
+/// which is in parentheses and may itself contain spaces or parentheses.
+fn zombie(stat: &str) -> bool {
+    stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+}
+
 fn machine() -> Machine {
     let lines = |path: &str| -> Vec<String> {
         let mut v: Vec<String> =
@@ -365,6 +371,10 @@ fn machine() -> Machine {
     let mut processes: Vec<String> = names("/proc")
         .into_iter()
         .filter(|p| p.parse::<u32>().is_ok())
+        // A killed process whose parent has not reaped it yet (a zombie) holds nothing but
+        // its pid: the shims and containers SIGKILLed by the clean-up are reparented to
+        // init, which reaps them when it gets to it.
+        .filter(|p| !std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| zombie(&s)))
         .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).ok())
         .map(|c| c.trim().to_string())
         .filter(|c| programs.iter().any(|p| c.starts_with(p)))
