@@ -71,12 +71,14 @@ test: test-latest test-compat ## Run every test (unit, drift, integration) on Ku
 test-latest: controlplane argocd real-node tools ## Run every test on the default control plane (Kubernetes 1.35), the GitOps suite, the real node and the try-install paths included
 	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
 	  CAPO_ARGOCD_DIR="$$(bash hack/build-argocd.sh 2>/dev/null | tail -n1)" \
-	  CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)" cargo test --workspace
-	bash hack/test-try.sh
+	  CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)" \
+	  CAPO_IMAGE="$$(cargo test --workspace --no-run >&2 && CAPO_BIN=target/debug/capo bash hack/build-image.sh | tail -n1)" \
+	  cargo test --workspace
+	CAPO_IMAGE="$$(CAPO_BIN=target/debug/capo bash hack/build-image.sh | tail -n1)" bash hack/test-try.sh
 
 .PHONY: test-try
-test-try: controlplane argocd real-node tools ## Run make try-helm, make try-argocd and make testenv-up TESTENV_REAL_NODE=1 as a newcomer would (each on its own control plane, torn down after)
-	bash hack/test-try.sh
+test-try: controlplane argocd real-node tools ## Run make try-helm, make try-argocd and make try-real-node as a newcomer would (each on its own control plane, torn down after)
+	CAPO_IMAGE="$$(CAPO_IMAGE_PROFILE=dev bash hack/build-image.sh | tail -n1)" bash hack/test-try.sh
 
 .PHONY: test-compat
 # The GitOps suite (tests/gitops.rs, a real Argo CD) and the real node (tests/real_node.rs,
@@ -104,6 +106,7 @@ testenv-up: controlplane $(if $(TESTENV_REAL_NODE),real-node tools) ## Start the
 	@cargo build -q -p capo-testenv
 	@CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
 	  $(if $(TESTENV_REAL_NODE),CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)") \
+	  $(if $(TESTENV_REAL_NODE),CAPO_IMAGE="$${CAPO_IMAGE:-$$(CAPO_IMAGE_PROFILE=dev bash hack/build-image.sh | tail -n1)}") \
 	  target/debug/capo-testenv up --state-dir $(TESTENV_DIR) --calico $(TESTENV_CALICO) $(if $(TESTENV_REAL_NODE),--real-node)
 
 .PHONY: testenv-down
@@ -118,6 +121,14 @@ demo: controlplane ## Bring up the control plane, run capo, delete a Redis Pod a
 .PHONY: try-helm
 try-helm: controlplane ## Install capo from the Helm chart onto the local control plane and run it as its ServiceAccount
 	bash hack/try-install.sh chart
+
+.PHONY: try-real-node
+try-real-node: controlplane real-node tools ## capo's own image on the real node: installed by its chart (two replicas), a StatefulSet Pod deleted, its IP held before Calico's CNI DEL
+	bash hack/try-real-node.sh
+
+.PHONY: image
+image: ## Build capo's image (release) without a container engine: an OCI archive (ctr/podman/docker load); prints its path
+	@bash hack/build-image.sh | tail -n1
 
 .PHONY: try-argocd
 try-argocd: controlplane argocd ## A real Argo CD syncs capo and its policies (argocd/) from a local git repository onto the local control plane

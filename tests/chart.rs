@@ -17,18 +17,6 @@ fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }
 
-fn helm() -> PathBuf {
-    if let Some(h) = std::env::var_os("CAPO_HELM") {
-        return h.into();
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"));
-    let path = cache.join("capo/tools/helm-v3.22.0/helm");
-    assert!(path.exists(), "{} missing: run `make tools` (make test does)", path.display());
-    path
-}
-
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().expect("run");
     let text = String::from_utf8_lossy(&out.stdout).to_string();

@@ -16,9 +16,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use capo_testenv::Calico;
-use capo_testenv::real_node::{LISTEN_IMAGE, REAL_NODE, cni_log};
+use capo_testenv::real_node::{CAPO_IMAGE_REPOSITORY, LISTEN_IMAGE, REAL_NODE, cni_log};
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -41,11 +41,23 @@ fn skipped() -> bool {
 async fn prepare(client: &Client, ns: &str) {
     install_capo_crds(client).await;
     for name in ["capo-system", ns] {
-        let obj: Namespace = serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap();
-        let _ = Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &obj).await;
+        create_namespace(client, name).await;
     }
     // The canary through which start-up checks that the API server calls capo.
     create_pod_with_ips(client, ns, unscheduled_pod("canary", &[], &[]), &[Ips::v4()]).await;
+}
+
+/// Creates `name` and waits for its `default` ServiceAccount: beside the real node the API
+/// server admits a Pod only once its ServiceAccount exists, as in any cluster.
+async fn create_namespace(client: &Client, name: &str) {
+    let obj: Namespace = serde_json::from_value(json!({ "metadata": { "name": name } })).unwrap();
+    let _ = Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &obj).await;
+    let accounts = Api::<ServiceAccount>::namespaced(client.clone(), name);
+    eventually(&format!("{name}/default ServiceAccount"), Duration::from_secs(30), || {
+        let accounts = accounts.clone();
+        async move { accounts.get_opt("default").await.ok()?.map(|_| ()) }
+    })
+    .await;
 }
 
 /// A test's real node: its control plane (with the real node), an in-process capo that
@@ -310,6 +322,7 @@ async fn on_calicos_etcd_the_address_is_held_in_etcd_before_calicos_cni_del() {
 struct Machine {
     mounts: Vec<String>,
     links: Vec<String>,
+    addresses: Vec<String>,
     routes: Vec<String>,
     processes: Vec<String>,
     cgroups: Vec<String>,
@@ -318,10 +331,11 @@ struct Machine {
 }
 
 impl Machine {
-    fn fields(&self) -> [(&'static str, &Vec<String>); 7] {
+    fn fields(&self) -> [(&'static str, &Vec<String>); 8] {
         [
             ("mounts", &self.mounts),
             ("links", &self.links),
+            ("addresses", &self.addresses),
             ("routes", &self.routes),
             ("processes", &self.processes),
             ("cgroups", &self.cgroups),
@@ -411,9 +425,20 @@ fn machine() -> Machine {
         .iter()
         .map(|s| format!("{s}={}", std::fs::read_to_string(format!("/proc/sys/{s}")).unwrap_or_default().trim()))
         .collect();
+    // "<interface> <address>/<prefix>" of every address, from `ip -o addr`.
+    let out = std::process::Command::new("ip").args(["-o", "addr", "show"]).output().expect("ip -o addr show");
+    let mut addresses: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some(format!("{} {}", f.get(1)?, f.get(3)?))
+        })
+        .collect();
+    addresses.sort();
     Machine {
         mounts,
         links: names("/sys/class/net"),
+        addresses,
         routes: [lines("/proc/net/route"), lines("/proc/net/ipv6_route")].concat(),
         processes,
         cgroups,
@@ -426,7 +451,8 @@ fn machine() -> Machine {
 /// whether it stops in order (as `capo-testenv down` stops its supervisor, or a test's
 /// plane is dropped) or its supervisor was killed and only the clean-up runs
 /// (`capo-testenv down` after a SIGKILL, the sweep of a crashed test binary's state):
-/// no mount, interface, route, process, cgroup, host path or sysctl differs from before.
+/// no mount, interface, address, route, process, cgroup, host path or sysctl differs from
+/// before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_node_leaves_the_machine_as_it_found_it() {
     if skipped() {
@@ -571,4 +597,113 @@ async fn draining_the_real_node_holds_each_evicted_pods_address() {
 /// kubectl against `plane`.
 async fn kubectl_on(plane: &PrivatePlane, args: &[&str], stdin: Option<&str>) -> (bool, String) {
     kubectl_with(&plane.kubeconfig, args, stdin).await
+}
+
+/// capo from its own image (`hack/build-image.sh`), installed by its Helm chart onto the
+/// real node as a platform team would: two replicas run as the chart's non-root user with
+/// its ServiceAccount, RBAC, probes and self-managed certificate; they reach the API server
+/// at the `kubernetes` Service, one leads through the Lease, and the API server calls the
+/// webhook through the chart's Service at the Pods' addresses. A StatefulSet Pod deleted
+/// with kubectl is held by the webhook; the leader Pod deleted, the other replica takes the
+/// Lease and releases the hold after `reserveFor`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_runs_capos_image_on_the_real_node_and_the_api_server_calls_it_through_its_service() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = "real-chart";
+    let plane = private_plane_with_real_node("real-node-chart", Calico::Kubernetes);
+    let client = plane.client().await;
+    create_namespace(&client, ns).await;
+    let kubeconfig = plane.kubeconfig.display().to_string();
+    let image = format!(
+        "image.repository={CAPO_IMAGE_REPOSITORY},image.tag={},image.pullPolicy=Never",
+        env!("CARGO_PKG_VERSION")
+    );
+    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/capo");
+    let out = std::process::Command::new(helm())
+        .args(["install", "capo", chart.to_str().unwrap(), "-n", "capo-system", "--create-namespace"])
+        .args(["--kubeconfig", &kubeconfig, "--set", &image, "--set", "replicaCount=2,logFormat=text"])
+        .args(["--set", "nodeSelector.type=real,keptPodGrace=1m"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "helm install: {}", String::from_utf8_lossy(&out.stderr));
+
+    let replicas = wait_capo_ready(&plane, &client, 2).await;
+    let leader = lease_holder(&client).await;
+    assert!(replicas.contains(&leader), "the Lease is held by one of {replicas:?}: {leader}");
+
+    let policy = format!("{ns}-redis");
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40s" });
+    apply_policy(&client, &policy, ns, spec).await; // Ready: written by the leader Pod
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
+    sets.create(&PostParams::default(), &redis_statefulset("redis")).await.unwrap();
+    let first = wait_ready(&client, ns, "redis-0", None).await;
+    let x = pod_ips(&first)[0];
+
+    let (ok, text) =
+        kubectl_with(&plane.kubeconfig, &["-n", ns, "delete", "pod", "redis-0", "--wait=false"], None).await;
+    assert!(ok, "kubectl delete pod: {text}");
+    let rec = record(&client, x).await.expect("the record, when the DELETE returns");
+    assert_eq!(rec.spec.trigger, capo_api::HoldTrigger::Delete, "held by the webhook, through the Service");
+    assert!(policy_entries(&client, V1, &policy).await.contains(&cidr(x)), "{x} in capo's reservation");
+    let second = wait_ready(&client, ns, "redis-0", first.uid().as_deref()).await;
+    assert_ne!(pod_ips(&second)[0], x, "the recreated redis-0 was given another address");
+
+    // The leader goes; the other replica leads and releases the hold on time.
+    Api::<Pod>::namespaced(client.clone(), "capo-system").delete(&leader, &DeleteParams::default()).await.unwrap();
+    let next = eventually("another capo Pod to hold the Lease", Duration::from_secs(60), || async {
+        let holder = lease_holder(&client).await;
+        (holder != leader && !holder.is_empty()).then_some(holder)
+    })
+    .await;
+    assert!(replicas.contains(&next), "{next} is the other replica of {replicas:?}");
+    eventually(&format!("{x} released after reserveFor by {next}"), Duration::from_secs(90), || async {
+        (record(&client, x).await.is_none() && !policy_entries(&client, V1, &policy).await.contains(&cidr(x)))
+            .then_some(())
+    })
+    .await;
+    drop(plane);
+}
+
+/// The holder of capo's Lease (`capo-system/capo`), or "" while none.
+async fn lease_holder(client: &Client) -> String {
+    let leases = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), "capo-system");
+    let lease = leases.get_opt("capo").await.ok().flatten();
+    lease.and_then(|l| l.spec).and_then(|s| s.holder_identity).unwrap_or_default()
+}
+
+/// Waits until the Deployment `capo-system/capo` has `n` Ready Pods on the real node and
+/// returns their names; on timeout, panics with the Pods, their Events and their logs.
+async fn wait_capo_ready(plane: &PrivatePlane, client: &Client, n: usize) -> Vec<String> {
+    let pods = Api::<Pod>::namespaced(client.clone(), "capo-system");
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let list = pods.list(&Default::default()).await.unwrap();
+        let ready: Vec<String> = list
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(REAL_NODE))
+            .filter(|p| {
+                let conditions = p.status.as_ref().and_then(|s| s.conditions.as_ref());
+                conditions.is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+            })
+            .map(|p| p.name_any())
+            .collect();
+        if ready.len() == n {
+            return ready;
+        }
+        if std::time::Instant::now() > deadline {
+            let k = &plane.kubeconfig;
+            let (_, pods) = kubectl_with(k, &["-n", "capo-system", "get", "pods", "-o", "wide"], None).await;
+            let (_, events) = kubectl_with(k, &["-n", "capo-system", "get", "events"], None).await;
+            let (_, logs) =
+                kubectl_with(k, &["-n", "capo-system", "logs", "-l", "app.kubernetes.io/name=capo", "--tail=40"], None)
+                    .await;
+            panic!("{n} capo Pods Ready on {REAL_NODE} within 180 s:\n{pods}\n{events}\n{logs}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }

@@ -82,6 +82,20 @@ pub async fn kubectl_with(kubeconfig: &std::path::Path, args: &[&str], stdin: Op
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
+/// The helm `make tools` installs (`CAPO_HELM` overrides it).
+pub fn helm() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    if let Some(h) = std::env::var_os("CAPO_HELM") {
+        return h.into();
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache"));
+    let path = cache.join("capo/tools/helm-v3.22.0/helm");
+    assert!(path.exists(), "{} missing: run `make tools` (make test does)", path.display());
+    path
+}
+
 pub fn cidr(ip: IpAddr) -> String {
     capo_api::reserved_ip::single_ip_cidr(ip)
 }

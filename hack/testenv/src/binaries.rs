@@ -67,7 +67,20 @@ pub fn locate_real_node() -> Result<PathBuf, Error> {
     Ok(dir)
 }
 
-/// Runs a build script of `hack/` and returns the directory it prints last.
+/// capo's own image, an OCI archive the real node imports: `CAPO_IMAGE`, or what
+/// `build-image.sh` prints (a release build of capo; cached).
+pub fn locate_capo_image() -> Result<PathBuf, Error> {
+    let archive = match std::env::var_os("CAPO_IMAGE") {
+        Some(path) => PathBuf::from(path),
+        None => run_build_script("build-image.sh")?,
+    };
+    if !archive.is_file() {
+        return Err(Error::MissingBinary { path: archive });
+    }
+    Ok(archive)
+}
+
+/// Runs a build script of `hack/` and returns the path it prints last.
 fn run_build_script(name: &str) -> Result<PathBuf, Error> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name);
     let out = Command::new("bash")

@@ -156,6 +156,8 @@ pub struct ControlPlane {
     /// Calico's etcd, with [`Calico::Etcd`].
     pub calico_etcd: Option<CalicoEtcd>,
     components: Vec<Component>,
+    /// The `kubernetes` Service's address on this machine, for Pods on the real node.
+    api_forwarder: Option<real_node::Forwarder>,
 }
 
 /// The name of the IPAM driver's component (and log, `capo-calico-ipam.log`).
@@ -236,6 +238,7 @@ impl ControlPlane {
             calico,
             calico_etcd: None,
             components: vec![],
+            api_forwarder: None,
         };
 
         let mut audit_args = opts.apiserver_args.clone();
@@ -291,8 +294,13 @@ impl ControlPlane {
                     // (see route.rs).
                     "--enable-aggregator-routing=true".into(),
                     // Namespaces are created by tests right before their Pods; do not race the
-                    // service-account controller for the default ServiceAccount.
-                    "--disable-admission-plugins=ServiceAccount".into(),
+                    // service-account controller for the default ServiceAccount. Pods on the
+                    // real node run with their ServiceAccount's token, as in any cluster.
+                    if opts.real_node {
+                        "--enable-admission-plugins=ServiceAccount".into()
+                    } else {
+                        "--disable-admission-plugins=ServiceAccount".into()
+                    },
                     "--allow-privileged=true".into(),
                     // The front proxy, as kubeadm sets it up: aggregated API servers
                     // (calico-apiserver) learn who is asking from these headers.
@@ -329,11 +337,20 @@ impl ControlPlane {
                 "--use-service-account-credentials=true".into(),
                 path_arg("service-account-private-key-file", &p("sa.key")),
                 path_arg("root-ca-file", &p("ca.crt")),
-                "--controllers=namespace-controller,garbage-collector-controller,statefulset-controller,\
-                 replicaset-controller,deployment-controller,disruption-controller,serviceaccount-controller,\
-                 serviceaccount-token-controller,pod-garbage-collector-controller,job-controller,\
-                 daemonset-controller,node-lifecycle-controller,taint-eviction-controller"
-                    .into(),
+                format!(
+                    "--controllers=namespace-controller,garbage-collector-controller,statefulset-controller,\
+                     replicaset-controller,deployment-controller,disruption-controller,serviceaccount-controller,\
+                     serviceaccount-token-controller,pod-garbage-collector-controller,job-controller,\
+                     daemonset-controller,node-lifecycle-controller,taint-eviction-controller{}",
+                    // Services of Pods on the real node get their endpoints, and its Pods the
+                    // cluster CA (kube-root-ca.crt), as in a cluster
+                    // (elsewhere tests write them: route.rs).
+                    if opts.real_node {
+                        ",endpoints-controller,endpointslice-controller,root-ca-certificate-publisher-controller"
+                    } else {
+                        ""
+                    }
+                ),
                 "--concurrent-gc-syncs=5".into(),
                 "--v=1".into(),
             ],
@@ -565,6 +582,7 @@ impl ControlPlane {
 
     /// Stops every component, newest first, and takes away what a real node made.
     pub fn stop(&mut self) {
+        self.api_forwarder = None;
         while let Some(mut c) = self.components.pop() {
             if c.name == "kubelet" {
                 // Its Pods' containers would outlive it: clean() stops them all at once.

@@ -27,9 +27,86 @@ pub const PAUSE_IMAGE: &str = "capo.local/pause:1";
 /// connection with `$POD_NAME`: a stand-in for Redis or ZooKeeper.
 pub const LISTEN_IMAGE: &str = "capo.local/listen:1";
 
+/// capo's own image on the real node (`hack/build-image.sh`, imported at start).
+pub const CAPO_IMAGE_REPOSITORY: &str = "capo.local/capo";
+
 /// Paths containerd and the kubelet use whatever they are told: made by them when missing,
 /// removed by [`clean`] when they were missing before the real node started.
 const HARD_CODED: [&str; 4] = ["/run/containerd", "/var/lib/kubelet", "/run/calico", "/var/log/pods"];
+
+/// Pods reach the API server at the `kubernetes` Service's address (their in-cluster
+/// configuration: `KUBERNETES_SERVICE_HOST`, port 443). Without kube-proxy, this machine
+/// takes that address on `lo` and a thread forwards its port 443 to the API server: what
+/// kube-proxy's DNAT does in a cluster, as a userspace proxy. The address is removed by
+/// [`clean`] (when the real node added it); the thread stops when dropped.
+pub(crate) struct Forwarder {
+    listener: std::net::TcpListener,
+    stopped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Forwarder {
+    async fn start(client: &Client, rn: &Path, server: &str) -> Result<Self, Error> {
+        use std::net::{IpAddr, SocketAddr, TcpListener};
+        let svc =
+            Api::<k8s_openapi::api::core::v1::Service>::namespaced(client.clone(), "default").get("kubernetes").await?;
+        let ip: IpAddr =
+            svc.spec.and_then(|s| s.cluster_ip).and_then(|ip| ip.parse().ok()).ok_or_else(|| Error::Command {
+                program: "kube-apiserver".into(),
+                args: String::new(),
+                stderr: "the kubernetes Service has no clusterIP".into(),
+            })?;
+        let port: u16 = server.rsplit(':').next().and_then(|p| p.trim_end_matches('/').parse().ok()).unwrap_or(443);
+        let to = SocketAddr::from(([127, 0, 0, 1], port));
+        let added = std::process::Command::new("ip")
+            .args(["addr", "add", &format!("{ip}/32"), "dev", "lo"])
+            .output()
+            .map_err(|source| Error::Io { path: "ip".into(), source })?;
+        if added.status.success() {
+            write(&rn.join("api-address"), &ip.to_string())?;
+        }
+        let from = SocketAddr::new(ip, 443);
+        let io = |source| Error::Io { path: format!("listening on {from}").into(), source };
+        let listener = TcpListener::bind(from).map_err(io)?;
+        let accepting = listener.try_clone().map_err(io)?;
+        let stopped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = stopped.clone();
+        std::thread::spawn(move || {
+            for conn in accepting.incoming() {
+                match conn {
+                    Ok(conn) => {
+                        std::thread::spawn(move || pipe(conn, to));
+                    }
+                    Err(_) if stop.load(std::sync::atomic::Ordering::SeqCst) => return,
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        });
+        Ok(Self { listener, stopped })
+    }
+}
+
+impl Drop for Forwarder {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        self.stopped.store(true, std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: shutdown(2) on the listening socket this value owns wakes its accept.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
+
+/// Copies one connection to `to` and back until either side closes.
+fn pipe(conn: std::net::TcpStream, to: std::net::SocketAddr) {
+    let Ok(upstream) = std::net::TcpStream::connect(to) else { return };
+    let (Ok(mut up_r), Ok(mut down_w)) = (upstream.try_clone(), conn.try_clone()) else { return };
+    let back = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut up_r, &mut down_w);
+        let _ = down_w.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut down_r, mut up_w) = (conn, upstream);
+    let _ = std::io::copy(&mut down_r, &mut up_w);
+    let _ = up_w.shutdown(std::net::Shutdown::Write);
+    let _ = back.join();
+}
 
 /// Where the real node keeps its state, under a control plane's state directory.
 pub fn dir(state_dir: &Path) -> PathBuf {
@@ -181,12 +258,16 @@ impl ControlPlane {
             &[("PATH".into(), path)],
         )?;
         self.wait_for("containerd's socket", Duration::from_secs(30), || sock.exists()).await?;
-        for image in ["pause", "listen"] {
-            let archive = build.join("images").join(format!("{image}.tar"));
+        let mut archives: Vec<PathBuf> =
+            ["pause", "listen"].iter().map(|image| build.join("images").join(format!("{image}.tar"))).collect();
+        // capo's own image (hack/build-image.sh), as [`CAPO_IMAGE_REPOSITORY`]`:<capo's version>`.
+        archives.push(crate::binaries::locate_capo_image()?);
+        for archive in archives {
             run(std::process::Command::new(build.join("bin/ctr"))
                 .args(["--address", &sock.display().to_string(), "-n", "k8s.io", "images", "import"])
                 .arg(&archive))?;
         }
+        self.api_forwarder = Some(Forwarder::start(client, &rn, &self.server).await?);
 
         let kubelet_dir = rn.join("kubelet");
         let kubeconfig = rn.join("kubelet.kubeconfig");
@@ -424,6 +505,10 @@ pub fn clean(state_dir: &Path) {
     }
     for m in cgroup_mounts() {
         remove_cgroup(&m.join(&cgroup));
+    }
+    if let Ok(ip) = std::fs::read_to_string(rn.join("api-address")) {
+        let _ =
+            std::process::Command::new("ip").args(["addr", "del", &format!("{}/32", ip.trim()), "dev", "lo"]).output();
     }
     let preexisting = std::fs::read_to_string(rn.join("preexisting")).unwrap_or_default();
     for path in HARD_CODED {
