@@ -296,23 +296,22 @@ async fn on_calicos_etcd_the_address_is_held_in_etcd_before_calicos_cni_del() {
     );
 
     Api::<Pod>::namespaced(client.clone(), ns).delete("redis-0", &DeleteParams::default()).await.unwrap();
-    let in_etcd = |http: reqwest::Client, etcd: capo_testenv::CalicoEtcd| async move {
-        support::etcd::etcd_range(&http, &etcd, support::etcd::RESERVATIONS_KEY)
-            .await
-            .into_iter()
-            .any(|(_, v)| String::from_utf8_lossy(&v).contains(&format!("\"{}\"", cidr(x))))
-    };
-    assert!(
-        in_etcd(http.clone(), etcd.clone()).await,
-        "{x} in capo's reservation in Calico's etcd when the DELETE returns"
-    );
+    assert!(held_in_etcd(&http, &etcd, x).await, "{x} in capo's reservation in Calico's etcd when the DELETE returns");
     let seen_at = Timestamp::now();
     let second = wait_ready(&client, ns, "redis-0", first.uid().as_deref()).await;
     assert_ne!(pod_ips(&second)[0], x);
     let freed_at = cni_released_at(&plane, &handle);
     eprintln!("seen held in etcd at {seen_at}, freed by Calico's CNI DEL at {freed_at}");
     assert!(seen_at < freed_at, "held ({seen_at}) before Calico freed it ({freed_at})");
-    assert!(in_etcd(http.clone(), etcd.clone()).await, "{x} still held after Calico's CNI DEL");
+    assert!(held_in_etcd(&http, &etcd, x).await, "{x} still held after Calico's CNI DEL");
+}
+
+/// Whether `ip` is in one of capo's reservations in Calico's etcd.
+async fn held_in_etcd(http: &reqwest::Client, etcd: &capo_testenv::CalicoEtcd, ip: IpAddr) -> bool {
+    support::etcd::etcd_range(http, etcd, support::etcd::RESERVATIONS_KEY)
+        .await
+        .into_iter()
+        .any(|(_, v)| String::from_utf8_lossy(&v).contains(&format!("\"{}\"", cidr(ip))))
 }
 
 /// What a real node could leave behind on this machine: mounts, network interfaces and
@@ -616,40 +615,13 @@ async fn the_chart_runs_capos_image_on_the_real_node_and_the_api_server_calls_it
     let plane = private_plane_with_real_node("real-node-chart", Calico::Kubernetes);
     let client = plane.client().await;
     create_namespace(&client, ns).await;
-    let kubeconfig = plane.kubeconfig.display().to_string();
-    let image = format!(
-        "image.repository={CAPO_IMAGE_REPOSITORY},image.tag={},image.pullPolicy=Never",
-        env!("CARGO_PKG_VERSION")
-    );
-    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/capo");
-    let out = std::process::Command::new(helm())
-        .args(["install", "capo", chart.to_str().unwrap(), "-n", "capo-system", "--create-namespace"])
-        .args(["--kubeconfig", &kubeconfig, "--set", &image, "--set", "replicaCount=2,logFormat=text"])
-        .args(["--set", "nodeSelector.type=real,keptPodGrace=1m"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "helm install: {}", String::from_utf8_lossy(&out.stderr));
-
+    create_namespace(&client, "capo-system").await;
+    helm_install(&plane, &["replicaCount=2"]);
     let replicas = wait_capo_ready(&plane, &client, 2).await;
     let leader = lease_holder(&client).await;
     assert!(replicas.contains(&leader), "the Lease is held by one of {replicas:?}: {leader}");
 
-    let policy = format!("{ns}-redis");
-    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40s" });
-    apply_policy(&client, &policy, ns, spec).await; // Ready: written by the leader Pod
-    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
-    sets.create(&PostParams::default(), &redis_statefulset("redis")).await.unwrap();
-    let first = wait_ready(&client, ns, "redis-0", None).await;
-    let x = pod_ips(&first)[0];
-
-    let (ok, text) =
-        kubectl_with(&plane.kubeconfig, &["-n", ns, "delete", "pod", "redis-0", "--wait=false"], None).await;
-    assert!(ok, "kubectl delete pod: {text}");
-    let rec = record(&client, x).await.expect("the record, when the DELETE returns");
-    assert_eq!(rec.spec.trigger, capo_api::HoldTrigger::Delete, "held by the webhook, through the Service");
-    assert!(policy_entries(&client, V1, &policy).await.contains(&cidr(x)), "{x} in capo's reservation");
-    let second = wait_ready(&client, ns, "redis-0", first.uid().as_deref()).await;
-    assert_ne!(pod_ips(&second)[0], x, "the recreated redis-0 was given another address");
+    let (policy, x) = deletion_held(&plane, &client, ns, "40s").await;
 
     // The leader goes; the other replica leads and releases the hold on time.
     Api::<Pod>::namespaced(client.clone(), "capo-system").delete(&leader, &DeleteParams::default()).await.unwrap();
@@ -664,6 +636,194 @@ async fn the_chart_runs_capos_image_on_the_real_node_and_the_api_server_calls_it
             .then_some(())
     })
     .await;
+    drop(plane);
+}
+
+/// The path every install must give, on the real node: a policy `<ns>-redis` Ready (its
+/// status written by the leader Pod), a StatefulSet Pod `redis-0` deleted with kubectl,
+/// its address held by the webhook when the DELETE returns (in capo's reservation: in the
+/// API server, or in Calico's etcd when the plane runs Calico there), and the recreated
+/// Pod given another address. Returns the policy and the held address.
+async fn deletion_held(plane: &PrivatePlane, client: &Client, ns: &str, reserve_for: &str) -> (String, IpAddr) {
+    let policy = format!("{ns}-redis");
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": reserve_for });
+    apply_policy(client, &policy, ns, spec).await;
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
+    sets.create(&PostParams::default(), &redis_statefulset("redis")).await.unwrap();
+    let first = wait_ready(client, ns, "redis-0", None).await;
+    let x = pod_ips(&first)[0];
+
+    let (ok, text) =
+        kubectl_with(&plane.kubeconfig, &["-n", ns, "delete", "pod", "redis-0", "--wait=false"], None).await;
+    assert!(ok, "kubectl delete pod: {text}");
+    let rec = record(client, x).await.expect("the record, when the DELETE returns");
+    assert_eq!(rec.spec.trigger, capo_api::HoldTrigger::Delete, "held by the webhook, called through the Service");
+    match &plane.calico_etcd {
+        Some(etcd) => {
+            let http = support::etcd::etcd_http(etcd, true);
+            assert!(held_in_etcd(&http, etcd, x).await, "{x} in capo's reservation in Calico's etcd");
+        }
+        None => {
+            let entries = policy_entries(client, V1, &policy).await;
+            assert!(entries.contains(&cidr(x)), "{x} in capo's reservation: {entries:?}");
+        }
+    }
+    let second = wait_ready(client, ns, "redis-0", first.uid().as_deref()).await;
+    assert_ne!(pod_ips(&second)[0], x, "the recreated redis-0 was given another address");
+    (policy, x)
+}
+
+/// `config/default` (and, for Calico's etcd, the `config/calico-etcd` component) applied
+/// with kubectl through an overlay as a platform team writes one: capo's own image, the
+/// real node, `replicas` replicas; on Calico's etcd, the ConfigMap and Secret the
+/// component reads, from the plane's etcd.
+async fn kustomize_install(plane: &PrivatePlane, client: &Client, replicas: u32) {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let overlay = plane.state_dir.join("overlay");
+    std::fs::create_dir_all(&overlay).unwrap();
+    // kustomize takes no absolute paths: the way up from the overlay to `/`, then down.
+    let up = "../".repeat(overlay.components().count() - 1);
+    let from_overlay = |dir: &str| format!("{up}{}", config.join(dir).strip_prefix("/").unwrap().display());
+    let components = match plane.calico_etcd {
+        Some(_) => format!("components: [{}]\n", from_overlay("calico-etcd")),
+        None => String::new(),
+    };
+    let kustomization = format!(
+        r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [{default}]
+{components}images: [{{name: ghcr.io/capo-io/capo, newName: {CAPO_IMAGE_REPOSITORY}, newTag: {tag}}}]
+patches:
+- patch: |-
+    apiVersion: apps/v1
+    kind: Deployment
+    metadata: {{name: capo, namespace: capo-system}}
+    spec:
+      replicas: {replicas}
+      template:
+        spec:
+          nodeSelector: {{type: real}}
+          containers: [{{name: capo, imagePullPolicy: Never}}]
+"#,
+        default = from_overlay("default"),
+        tag = env!("CARGO_PKG_VERSION"),
+    );
+    std::fs::write(overlay.join("kustomization.yaml"), kustomization).unwrap();
+    create_namespace(client, "capo-system").await;
+    if let Some(etcd) = &plane.calico_etcd {
+        let endpoints = etcd.pod_endpoints.clone().expect("Calico's etcd, reachable from the real node's Pods");
+        let literal = format!("--from-literal=etcd_endpoints={endpoints}");
+        let args = ["-n", "capo-system", "create", "configmap", "capo-calico-etcd", &literal];
+        let (ok, text) = kubectl_with(&plane.kubeconfig, &args, None).await;
+        assert!(ok, "the ConfigMap: {text}");
+        calico_etcd_secret(plane, etcd).await;
+    }
+    let args = ["kustomize", "--load-restrictor=LoadRestrictionsNone", overlay.to_str().unwrap()];
+    let (ok, rendered) = kubectl_with(&plane.kubeconfig, &args, None).await;
+    assert!(ok, "kubectl kustomize: {rendered}");
+    let (ok, text) = kubectl_with(&plane.kubeconfig, &["apply", "--server-side", "-f", "-"], Some(&rendered)).await;
+    assert!(ok, "kubectl apply: {text}");
+}
+
+/// Calico's own Secret layout (`calico-etcd-secrets`: `etcd-ca`, `etcd-cert`, `etcd-key`)
+/// in `capo-system`, from the plane's etcd client certificate.
+async fn calico_etcd_secret(plane: &PrivatePlane, etcd: &capo_testenv::CalicoEtcd) {
+    let from = |key: &str, path: &Path| format!("--from-file={key}={}", path.display());
+    let (ca, cert, key) =
+        (from("etcd-ca", &etcd.ca_cert_file), from("etcd-cert", &etcd.cert_file), from("etcd-key", &etcd.key_file));
+    let args = ["-n", "capo-system", "create", "secret", "generic", "calico-etcd-secrets", &ca, &cert, &key];
+    let (ok, text) = kubectl_with(&plane.kubeconfig, &args, None).await;
+    assert!(ok, "the Secret: {text}");
+}
+
+/// `config/default` applied with kubectl (kustomize) onto the real node: the same Pods,
+/// Service, RBAC and certificates as the chart's, two replicas, one leading; a deletion
+/// held through the Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_default_by_kustomize_runs_capo_on_the_real_node_and_holds() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = "real-kustomize";
+    let plane = private_plane_with_real_node("real-node-kustomize", Calico::Kubernetes);
+    let client = plane.client().await;
+    create_namespace(&client, ns).await;
+    kustomize_install(&plane, &client, 2).await;
+    let replicas = wait_capo_ready(&plane, &client, 2).await;
+    let leader = lease_holder(&client).await;
+    assert!(replicas.contains(&leader), "the Lease is held by one of {replicas:?}: {leader}");
+    deletion_held(&plane, &client, ns, "10m").await;
+    drop(plane);
+}
+
+/// `config/default` with the `config/calico-etcd` component onto the real node, Calico on
+/// its etcd: capo runs as its non-root user, reads Calico's etcd client key, and holds in
+/// Calico's etcd. (With the key mounted 0400 and no `fsGroup`, as before the trust fix,
+/// capo stops at once: `reading the etcd CA /calico-secrets/etcd-ca: Permission denied`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_calico_etcd_by_kustomize_runs_capo_as_its_non_root_user_and_holds_in_etcd() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = "real-kustomize-etcd";
+    let plane = private_plane_with_real_node("real-node-kustomize-etcd", Calico::Etcd);
+    let client = plane.client().await;
+    create_namespace(&client, ns).await;
+    kustomize_install(&plane, &client, 1).await;
+    wait_capo_ready(&plane, &client, 1).await;
+    deletion_held(&plane, &client, ns, "10m").await;
+    drop(plane);
+}
+
+/// capo's Helm chart installed as release `capo` in `capo-system` with capo's own image,
+/// onto the real node, with `sets` (`--set` values) on top.
+fn helm_install(plane: &PrivatePlane, sets: &[&str]) {
+    let image = format!(
+        "image.repository={CAPO_IMAGE_REPOSITORY},image.tag={},image.pullPolicy=Never",
+        env!("CARGO_PKG_VERSION")
+    );
+    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/capo");
+    let mut helm = std::process::Command::new(helm());
+    helm.args(["install", "capo", chart.to_str().unwrap(), "-n", "capo-system", "--kubeconfig"])
+        .arg(&plane.kubeconfig)
+        .args(["--set", &image, "--set", "nodeSelector.type=real,logFormat=text"]);
+    for set in sets {
+        helm.args(["--set", set]);
+    }
+    let out = helm.output().unwrap();
+    assert!(out.status.success(), "helm install: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// capo's chart with `calico.datastore: etcdv3`, as on a kubeasz-style cluster: capo runs
+/// as the chart's non-root user (65532), reads Calico's etcd client certificate and key
+/// from Calico's own Secret layout (`calico-etcd-secrets`: `etcd-ca`, `etcd-cert`,
+/// `etcd-key`), and a StatefulSet Pod deleted on the real node is held in capo's
+/// reservation in Calico's etcd when the DELETE returns. With the key mounted 0400 and no
+/// `fsGroup` (the manifests before the trust fix), capo cannot read its key and never
+/// becomes Ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_on_calicos_etcd_runs_capo_as_its_non_root_user_and_holds_in_etcd() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = "real-chart-etcd";
+    let plane = private_plane_with_real_node("real-node-chart-etcd", Calico::Etcd);
+    let client = plane.client().await;
+    create_namespace(&client, ns).await;
+    create_namespace(&client, "capo-system").await;
+    let etcd = plane.calico_etcd.clone().expect("Calico's etcd");
+    let endpoints = etcd.pod_endpoints.clone().expect("Calico's etcd, reachable from the real node's Pods");
+    calico_etcd_secret(&plane, &etcd).await;
+    helm_install(&plane, &["replicaCount=1", "calico.datastore=etcdv3", &format!("calico.etcd.endpoints={endpoints}")]);
+    let replicas = wait_capo_ready(&plane, &client, 1).await;
+    let pod = Api::<Pod>::namespaced(client.clone(), "capo-system").get(&replicas[0]).await.unwrap();
+    let user = pod.spec.as_ref().and_then(|s| s.security_context.as_ref()).and_then(|c| c.run_as_user);
+    assert_eq!(user, Some(65532), "capo runs as the chart's non-root user");
+
+    deletion_held(&plane, &client, ns, "10m").await;
     drop(plane);
 }
 

@@ -103,6 +103,9 @@ pub enum Calico {
 #[derive(Clone, Debug)]
 pub struct CalicoEtcd {
     pub endpoints: String,
+    /// Beside a real node: the endpoints its Pods use (this machine's address; Pods cannot
+    /// reach its loopback).
+    pub pod_endpoints: Option<String>,
     pub ca_cert_file: PathBuf,
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
@@ -453,7 +456,7 @@ impl ControlPlane {
                 args.push(path_arg("crds", &dir.join(binaries::CALICO_CRDS)));
             }
             Calico::Etcd => {
-                let etcd = self.start_calico_etcd()?;
+                let etcd = self.start_calico_etcd(real_node)?;
                 env = etcd.env();
                 args.push("--datastore=etcdv3".into());
                 self.calico_etcd = Some(etcd);
@@ -463,14 +466,21 @@ impl ControlPlane {
     }
 
     /// A second etcd, for Calico only, serving TLS and requiring client certificates.
-    fn start_calico_etcd(&mut self) -> Result<CalicoEtcd, Error> {
+    /// Beside a real node it also listens on this machine's address, for capo's Pods.
+    fn start_calico_etcd(&mut self, real_node: bool) -> Result<CalicoEtcd, Error> {
         let state = self.state_dir.clone();
         let dir = state.join("pki").join("calico-etcd");
         std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.clone(), source })?;
-        let pki = pki::write_etcd(&dir)?;
+        let node_ip = if real_node { Some(real_node::node_ip()?) } else { None };
+        let pki = pki::write_etcd(&dir, node_ip)?;
         let bin = binaries::locate()?;
         let (port, peer) = (free_port()?, free_port()?);
-        let url = format!("https://127.0.0.1:{port}");
+        let loopback = format!("https://127.0.0.1:{port}");
+        let pod_endpoints = node_ip.map(|ip| format!("https://{ip}:{port}"));
+        let url = match &pod_endpoints {
+            Some(pods) => format!("{loopback},{pods}"),
+            None => loopback.clone(),
+        };
         let peer_url = format!("http://127.0.0.1:{peer}");
         self.spawn(
             "calico-etcd",
@@ -491,7 +501,13 @@ impl ControlPlane {
                 "--log-level=warn".into(),
             ],
         )?;
-        Ok(CalicoEtcd { endpoints: url, ca_cert_file: pki.ca, cert_file: pki.client_cert, key_file: pki.client_key })
+        Ok(CalicoEtcd {
+            endpoints: loopback,
+            pod_endpoints,
+            ca_cert_file: pki.ca,
+            cert_file: pki.client_cert,
+            key_file: pki.client_key,
+        })
     }
 
     /// Waits until the IPAM driver has set Calico up and its informers are synced.

@@ -119,7 +119,8 @@ pub fn write(dir: &Path) -> Result<Pki, Error> {
     Ok(pki)
 }
 
-/// The files of Calico's etcd: its own CA, a serving certificate for 127.0.0.1 and a
+/// The files of Calico's etcd: its own CA, a serving certificate for 127.0.0.1 (and,
+/// beside a real node, this machine's address, where its Pods reach it) and a
 /// client certificate for Calico's components (what a kubeasz-style install hands
 /// calico-node and the CNI plugin).
 #[derive(Clone, Debug)]
@@ -132,12 +133,13 @@ pub struct EtcdPki {
 }
 
 /// Writes `ca.crt`, `server.{crt,key}` and `client.{crt,key}` into `dir`.
-pub fn write_etcd(dir: &Path) -> Result<EtcdPki, Error> {
+pub fn write_etcd(dir: &Path, also: Option<std::net::IpAddr>) -> Result<EtcdPki, Error> {
     let (ca_pem, ca) = new_ca("capo-testenv-calico-etcd-ca")?;
 
     let server_key = KeyPair::generate().map_err(cert_err("etcd serving key"))?;
-    let mut server = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
-        .map_err(cert_err("etcd serving params"))?;
+    let mut names = vec!["127.0.0.1".to_string(), "localhost".to_string()];
+    names.extend(also.map(|ip| ip.to_string()));
+    let mut server = CertificateParams::new(names).map_err(cert_err("etcd serving params"))?;
     server.distinguished_name.push(DnType::CommonName, "calico-etcd");
     server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
     let server_cert = server.signed_by(&server_key, &ca).map_err(cert_err("etcd serving certificate"))?;

@@ -175,7 +175,7 @@ fn unescape(s: &str) -> String {
 
 /// This machine's own address (the source of its default route), given to the kubelet as
 /// `--node-ip`: the API server reaches kubelets there, never on loopback.
-fn node_ip() -> Result<std::net::IpAddr, Error> {
+pub(crate) fn node_ip() -> Result<std::net::IpAddr, Error> {
     let io = |source| Error::Io { path: "udp socket".into(), source };
     let s = std::net::UdpSocket::bind("0.0.0.0:0").map_err(io)?;
     s.connect("192.0.2.255:9").or_else(|_| s.connect("10.255.255.255:9")).map_err(io)?;
