@@ -1,7 +1,8 @@
 # capo's image: a static-ish release build on a minimal non-root base.
-# No image can be built on the development machines of this repository (no container
-# engine there); CI builds and tests the binary itself. Build elsewhere with:
+# Build with a container engine:
 #   docker build -t capo:0.1.0 .
+# or without one, from the same recipe (Debian's C runtime, user 65532): `make image`
+# (hack/build-image.sh), which the tests run on a real node.
 FROM rust:1.89-bookworm AS build
 WORKDIR /src
 COPY . .

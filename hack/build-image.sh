@@ -61,8 +61,9 @@ if [[ ! -e "$out" ]]; then
   root="$(mktemp -d)"
   trap 'rm -rf "$root"' EXIT
   for d in "${debs[@]}"; do dpkg-deb -x "$d" "$root"; done
-  # Documentation and locale data the runtime never reads.
-  rm -rf "$root/usr/share/doc" "$root/usr/share/lintian" "$root/usr/share/locale" "$root/usr/share/gcc"
+  # Documentation, locale data and iconv modules the runtime never reads.
+  rm -rf "$root/usr/share/doc" "$root/usr/share/lintian" "$root/usr/share/locale" "$root/usr/share/gcc" \
+    "$root/usr/lib/x86_64-linux-gnu/gconv" # iconv modules: capo converts no character sets
   install -m 0755 "$bin" "$root/capo"
   mkdir -p "$root/etc" "$root/tmp" "$root/home/nonroot"
   chmod 1777 "$root/tmp"
