@@ -48,7 +48,13 @@ for pkg in libc6 libgcc-s1; do
   ver="$(dpkg-query -W -f='${Version}' "$pkg")"
   file="$(ls "$cache/debs/${pkg}_"*"_amd64.deb" 2>/dev/null | grep -F "_${ver//:/%3a}_" | head -n1 || true)"
   if [[ -z "$file" ]]; then
-    (cd "$cache/debs" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >/dev/null)
+    if ! (cd "$cache/debs" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >/dev/null 2>&1); then
+      # A fresh machine may have no package lists yet.
+      sudo=""
+      [[ $(id -u) -eq 0 ]] || sudo=sudo
+      $sudo apt-get update -qq >/dev/null
+      (cd "$cache/debs" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >/dev/null)
+    fi
     file="$(ls "$cache/debs/${pkg}_"*"_amd64.deb" | grep -F "_${ver//:/%3a}_" | head -n1)"
   fi
   debs+=("$file")
