@@ -622,6 +622,7 @@ async fn the_chart_runs_capos_image_on_the_real_node_and_the_api_server_calls_it
     assert!(replicas.contains(&leader), "the Lease is held by one of {replicas:?}: {leader}");
 
     let (policy, x) = deletion_held(&plane, &client, ns, "40s").await;
+    let reserved_at = record(&client, x).await.expect("held").spec.reserved_at.0;
 
     // The leader goes; the other replica leads and releases the hold on time.
     Api::<Pod>::namespaced(client.clone(), "capo-system").delete(&leader, &DeleteParams::default()).await.unwrap();
@@ -631,11 +632,14 @@ async fn the_chart_runs_capos_image_on_the_real_node_and_the_api_server_calls_it
     })
     .await;
     assert!(replicas.contains(&next), "{next} is the other replica of {replicas:?}");
-    eventually(&format!("{x} released after reserveFor by {next}"), Duration::from_secs(90), || async {
+    let released = eventually(&format!("{x} released after reserveFor by {next}"), Duration::from_secs(90), || async {
         (record(&client, x).await.is_none() && !policy_entries(&client, V1, &policy).await.contains(&cidr(x)))
-            .then_some(())
+            .then(Timestamp::now)
     })
     .await;
+    // The countdown starts when the Pod is gone, after the hold was written: never sooner.
+    let held_for = released.duration_since(reserved_at).as_secs_f64();
+    assert!(held_for >= 40.0 - 0.05, "released {held_for:.2}s after it was held, before reserveFor (40s)");
     drop(plane);
 }
 
