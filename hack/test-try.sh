@@ -1,32 +1,37 @@
 #!/usr/bin/env bash
 # Runs the install paths a newcomer is told to try — `make try-helm` and `make try-argocd`
-# (hack/try-install.sh) — each on a control plane of its own in a temporary state
-# directory, torn down afterwards, so that a broken install path fails `make test` — and
-# `make try-real-node` (hack/try-real-node.sh).
+# (hack/try-install.sh) and `make try-real-node` (hack/try-real-node.sh) — each on a
+# control plane of its own in a temporary state directory, torn down afterwards, so that a
+# broken install path fails `make test`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 passed=0 failed=0
-for how in chart argocd; do
-  state="$(mktemp -d "${TMPDIR:-/tmp}/capo-try-$how.XXXXXX")"
-  log="$state.log"
+
+# try NAME COMMAND...: runs COMMAND with TESTENV_DIR set to a fresh state directory,
+# reports it, and tears its control plane down.
+try() {
+  local name="$1" state start
+  shift
+  state="$(mktemp -d "${TMPDIR:-/tmp}/capo-try-$name.XXXXXX")"
   start=$SECONDS
-  if TESTENV_DIR="$state" bash hack/try-install.sh "$how" >"$log" 2>&1; then
-    echo "try-install $how: ok ($((SECONDS - start))s)"
+  if TESTENV_DIR="$state" "$@" >"$state.log" 2>&1; then
+    echo "$name: ok ($((SECONDS - start))s)"
     passed=$((passed + 1))
   else
-    echo "try-install $how: FAILED ($((SECONDS - start))s); its output:"
-    tail -n 60 "$log"
+    echo "$name: FAILED ($((SECONDS - start))s); its output:"
+    tail -n 60 "$state.log"
     failed=$((failed + 1))
   fi
   make -s testenv-down TESTENV_DIR="$state" >/dev/null 2>&1 || true
-  rm -rf "$state" "$log"
-done
-# make try-real-node (capo's image, its chart, a held deletion on the real node), then
-# make testenv-down, after which nothing of the real node may be left: no process, no
-# mount under the state directory, not the kubernetes Service's address.
+  rm -rf "$state" "$state.log"
+}
+
+# make try-real-node, then make testenv-down, after which nothing of the real node may be
+# left: no process, no mount under the state directory, not the kubernetes Service's
+# address.
 real_node() {
-  local state="$1"
-  TESTENV_DIR="$state" bash hack/try-real-node.sh || return 1
+  local state="$TESTENV_DIR"
+  bash hack/try-real-node.sh || return 1
   make -s testenv-down TESTENV_DIR="$state" || return 1
   if grep -q " $state" /proc/self/mountinfo; then
     echo "mounts left under $state:"; grep " $state" /proc/self/mountinfo; return 1
@@ -38,18 +43,10 @@ real_node() {
     echo "the kubernetes Service's address is left on lo:"; ip -o addr show dev lo; return 1
   fi
 }
-state="$(mktemp -d "${TMPDIR:-/tmp}/capo-try-real-node.XXXXXX")"
-start=$SECONDS
-if real_node "$state" >"$state.log" 2>&1; then
-  echo "try-real-node: ok ($((SECONDS - start))s)"
-  passed=$((passed + 1))
-else
-  echo "try-real-node: FAILED ($((SECONDS - start))s); its output:"
-  tail -n 60 "$state.log"
-  failed=$((failed + 1))
-fi
-make -s testenv-down TESTENV_DIR="$state" >/dev/null 2>&1 || true
-rm -rf "$state" "$state.log"
+
+try try-helm bash hack/try-install.sh chart
+try try-argocd bash hack/try-install.sh argocd
+try try-real-node real_node
 
 echo "try-installs: $passed passed, $failed failed"
 [[ $failed -eq 0 ]]
