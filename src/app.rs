@@ -27,6 +27,7 @@ use crate::release::{EngineSettings, ReleaseEngine};
 use crate::server::{ServerError, WebhookServer};
 use crate::store::{NamespaceStore, PodStore};
 use crate::webhook_config::{self, Registration};
+use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 
 /// Where the webhook's serving certificate comes from.
 #[derive(Clone, Debug)]
@@ -433,7 +434,23 @@ async fn serving_cert(
     });
     if let Some(name) = &settings.inject_ca_bundle {
         let metrics = Some(metrics.tls.clone());
-        tasks.push(tokio::spawn(certs::inject::run(client.clone(), name.clone(), serving.bundle(), trust, metrics)));
+        tasks.push(tokio::spawn(certs::inject::run::<ValidatingWebhookConfiguration>(
+            client.clone(),
+            name.clone(),
+            serving.bundle(),
+            trust,
+            metrics.clone(),
+        )));
+        // The sticky webhook's configuration gets the same bundle at the same moment; the
+        // CA rotation waits on the validating one (the hold's guarantee).
+        let (sticky_trust, _) = tokio::sync::watch::channel(Injected::Unknown);
+        tasks.push(tokio::spawn(certs::inject::run::<MutatingWebhookConfiguration>(
+            client.clone(),
+            name.clone(),
+            serving.bundle(),
+            sticky_trust,
+            metrics,
+        )));
     }
     let mut ca_pem = None;
     let mut cert_watcher = None;

@@ -40,6 +40,9 @@ pub struct Metrics {
     pub pod_cache_misses: IntCounterVec,
     /// Reviews whose Namespace was not in the cache yet and was read from the API server.
     pub namespace_cache_misses: IntCounterVec,
+    /// Sticky IPs: recreated Pods reviewed by the sticky webhook, by policy and outcome
+    /// (claimed, or why nothing was handed back).
+    pub sticky_claims: IntCounterVec,
     /// The leader's release engine, repair and safety net.
     pub release: ReleaseMetrics,
     /// The webhook's certificates and TLS handshakes.
@@ -186,6 +189,9 @@ pub struct ReleaseMetrics {
     pub safety_net_holds: IntCounterVec,
     /// Pods the safety net saw too late: their IP was already another Pod's.
     pub safety_net_lost_races: IntCounterVec,
+    /// Handed-back addresses the leader took back from a recreated Pod that did not come
+    /// up with them within `fallbackAfter`, by policy.
+    pub sticky_fallbacks: IntCounterVec,
     /// Pods the safety net remembers having dealt with (at most the Pods that exist).
     pub safety_net_remembered: prometheus::IntGauge,
     /// Kinds of Pod owners the leader watches, by state (watched, starting, unavailable:
@@ -329,6 +335,11 @@ impl ReleaseMetrics {
             repairs: counter("repairs_total", "Repairs of reservations and records, by action.", &["action"]),
             leader,
             safety_net_holds: counter("safety_net_holds_total", "Holds written by the safety net.", &["policy"]),
+            sticky_fallbacks: counter(
+                "sticky_fallbacks_total",
+                "Handed-back addresses taken back from a recreated Pod that did not come up with them in time.",
+                &["policy"],
+            ),
             safety_net_lost_races: counter(
                 "safety_net_lost_races_total",
                 "Pods the safety net saw after their IP was already another Pod's.",
@@ -419,6 +430,11 @@ impl Metrics {
             "Reviews whose Namespace had to be read from the API server.",
             &["result"],
         );
+        let sticky_claims = counter(
+            "sticky_claims_total",
+            "Recreated Pods the sticky webhook reviewed, by policy and outcome (claimed, or why nothing was handed back).",
+            &["policy", "outcome"],
+        );
         let admission_duration = HistogramVec::new(
             HistogramOpts::new("admission_duration_seconds", "Time to answer an admission review.")
                 .buckets(vec![0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
@@ -460,6 +476,7 @@ impl Metrics {
             pod_events,
             pod_cache_misses,
             namespace_cache_misses,
+            sticky_claims,
         }
     }
 

@@ -88,6 +88,18 @@ fn due_in(now: Timestamp, r: &ReservedIP) -> String {
     }
 }
 
+/// The hold's sticky-IP state: claimed by a recreated Pod (and for how long still), fallen
+/// back, or never to be handed back (a forced deletion).
+fn sticky(now: Timestamp, r: &ReservedIP) -> String {
+    match r.claim() {
+        Some(c) if c.fell_back_at.is_some() => "fell back".into(),
+        Some(c) if c.pending(now) => format!("claimed, {} left", human(since(c.until.0, now))),
+        Some(_) => "claim expired".into(),
+        None if r.spec.forced => "no (forced deletion)".into(),
+        None => "-".into(),
+    }
+}
+
 pub async fn holds(client: Client, output: Output) -> Result<String, OpsError> {
     let api = Api::<ReservedIP>::all(client);
     let mut list = api.list(&ListParams::default()).await.map_err(|e| OpsError::api("listing ReservedIPs", e))?.items;
@@ -105,12 +117,13 @@ pub async fn holds(client: Client, output: Output) -> Result<String, OpsError> {
                     "heldForSeconds": since(now, r.spec.reserved_at.0).as_secs(),
                     "dueInSeconds": st.release_at.map(|t| t.0.duration_since(now).as_secs().max(0)),
                     "manual": r.spec.manual,
+                    "claim": st.claim, "forced": r.spec.forced,
                 })
             })
             .collect();
         return Ok(serde_json::to_string_pretty(&rows).expect("JSON") + "\n");
     }
-    let mut rows = vec![["IP", "POD", "POLICY", "TRIGGER", "HELD FOR", "DUE IN"].map(String::from).to_vec()];
+    let mut rows = vec![["IP", "POD", "POLICY", "TRIGGER", "HELD FOR", "DUE IN", "STICKY"].map(String::from).to_vec()];
     for r in &list {
         let pod = if r.spec.pod.name.is_empty() {
             "-".to_string()
@@ -124,6 +137,7 @@ pub async fn holds(client: Client, output: Output) -> Result<String, OpsError> {
             format!("{:?}", r.spec.trigger),
             human(since(now, r.spec.reserved_at.0)),
             due_in(now, r),
+            sticky(now, r),
         ]);
     }
     if list.is_empty() {

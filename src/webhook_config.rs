@@ -3,7 +3,7 @@
 //! In a cluster, Helm or kustomize ship the same configuration.
 
 use base64::Engine;
-use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -35,6 +35,14 @@ has(oldObject.status) && has(oldObject.status.podIPs) && size(oldObject.status.p
 !(has(oldObject.metadata.annotations) && 'capo.io/hold' in oldObject.metadata.annotations && \
 oldObject.metadata.annotations['capo.io/hold'] == 'false'))";
 
+/// CEL pre-filter of the sticky webhook: only a StatefulSet's Pods, not on the host
+/// network, that name no addresses of their own and have not opted out.
+pub const STICKY_MATCH_CONDITION: &str = "has(object.metadata.ownerReferences) && \
+object.metadata.ownerReferences.exists(r, has(r.controller) && r.controller && r.kind == 'StatefulSet') && \
+!(has(object.spec.hostNetwork) && object.spec.hostNetwork) && \
+!(has(object.metadata.annotations) && ('cni.projectcalico.org/ipAddrs' in object.metadata.annotations || \
+('capo.io/sticky' in object.metadata.annotations && object.metadata.annotations['capo.io/sticky'] == 'false')))";
+
 /// Where the API server reaches capo.
 enum Endpoint<'a> {
     /// A URL, with capo's own CA or none (local runs, tests).
@@ -46,6 +54,57 @@ enum Endpoint<'a> {
 
 /// The two webhooks: `Ignore` for every namespace, `Fail` for namespaces labelled
 /// `capo.io/failure-policy=Fail`. One definition for self-registration and the manifests.
+fn client_config(endpoint: &Endpoint<'_>, path: &str) -> serde_json::Value {
+    match endpoint {
+        Endpoint::Url { url, ca_pem } => {
+            let mut config = json!({ "url": format!("{}{path}", url.trim_end_matches('/')) });
+            if let Some(pem) = ca_pem {
+                config["caBundle"] = json!(base64::engine::general_purpose::STANDARD.encode(pem.as_bytes()));
+            }
+            config
+        }
+        Endpoint::Service { namespace, name } => json!({
+            "service": { "namespace": namespace, "name": name, "path": path, "port": 443 },
+        }),
+    }
+}
+
+/// The sticky IPs' webhook (Pod CREATE, `Ignore`: a Pod is never kept from being created,
+/// it only gets new addresses), a MutatingWebhookConfiguration of the same name.
+fn sticky_configuration(
+    name: &str,
+    endpoint: Endpoint<'_>,
+    excluded_namespaces: &[String],
+    only_namespaces: Option<&[String]>,
+    timeout_seconds: i32,
+) -> serde_json::Value {
+    let mut expressions =
+        vec![json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded_namespaces })];
+    if let Some(only) = only_namespaces {
+        expressions.push(json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }));
+    }
+    json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": { "name": name, "labels": { capo_api::keys::MANAGED_BY_LABEL: capo_api::keys::MANAGED_BY_VALUE } },
+        "webhooks": [{
+            "name": "sticky.capo.io",
+            "clientConfig": client_config(&endpoint, crate::admission::STICKY_PATH),
+            "rules": [
+                { "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced" },
+            ],
+            "namespaceSelector": { "matchExpressions": expressions },
+            "matchConditions": [{ "name": "statefulset-pod", "expression": STICKY_MATCH_CONDITION }],
+            "failurePolicy": "Ignore",
+            "sideEffects": "NoneOnDryRun",
+            "reinvocationPolicy": "Never",
+            "timeoutSeconds": timeout_seconds,
+            "admissionReviewVersions": ["v1"],
+            "matchPolicy": "Equivalent",
+        }],
+    })
+}
+
 fn configuration(
     name: &str,
     endpoint: Endpoint<'_>,
@@ -53,19 +112,7 @@ fn configuration(
     only_namespaces: Option<&[String]>,
     timeout_seconds: i32,
 ) -> serde_json::Value {
-    let client_config = match endpoint {
-        Endpoint::Url { url, ca_pem } => {
-            let mut config =
-                json!({ "url": format!("{}{}", url.trim_end_matches('/'), crate::admission::REVIEW_PATH) });
-            if let Some(pem) = ca_pem {
-                config["caBundle"] = json!(base64::engine::general_purpose::STANDARD.encode(pem.as_bytes()));
-            }
-            config
-        }
-        Endpoint::Service { namespace, name } => json!({
-            "service": { "namespace": namespace, "name": name, "path": crate::admission::REVIEW_PATH, "port": 443 },
-        }),
-    };
+    let client_config = client_config(&endpoint, crate::admission::REVIEW_PATH);
     let webhook = |name: &str, failure_policy: &str, fail_ns_operator: &str| {
         let mut expressions = vec![
             json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded_namespaces }),
@@ -101,15 +148,22 @@ fn configuration(
     })
 }
 
+/// The validating configuration for self-registration.
 pub fn render(reg: &Registration) -> ValidatingWebhookConfiguration {
+    rendered(reg, configuration)
+}
+
+/// The sticky IPs' mutating configuration for self-registration.
+pub fn render_sticky(reg: &Registration) -> MutatingWebhookConfiguration {
+    rendered(reg, sticky_configuration)
+}
+
+type Build = fn(&str, Endpoint<'_>, &[String], Option<&[String]>, i32) -> serde_json::Value;
+
+fn rendered<T: serde::de::DeserializeOwned>(reg: &Registration, build: Build) -> T {
     let endpoint = Endpoint::Url { url: &reg.url, ca_pem: reg.ca_pem.as_deref() };
-    let value = configuration(
-        &reg.name,
-        endpoint,
-        &reg.excluded_namespaces,
-        reg.only_namespaces.as_deref(),
-        reg.timeout_seconds,
-    );
+    let value =
+        build(&reg.name, endpoint, &reg.excluded_namespaces, reg.only_namespaces.as_deref(), reg.timeout_seconds);
     serde_json::from_value(value).expect("static webhook configuration")
 }
 
@@ -124,26 +178,38 @@ pub fn in_cluster(namespace: &str) -> serde_json::Value {
     config
 }
 
+/// The sticky IPs' configuration the manifests install, beside [`in_cluster`].
+pub fn in_cluster_sticky(namespace: &str) -> serde_json::Value {
+    let excluded = ["kube-system".to_string(), namespace.to_string()];
+    let mut config = sticky_configuration("capo", Endpoint::Service { namespace, name: "capo" }, &excluded, None, 5);
+    config["metadata"]["annotations"] = json!({ "argocd.argoproj.io/sync-wave": "0" });
+    config
+}
+
 /// `config/webhook/manifests.yaml`, as checked in.
 pub fn in_cluster_yaml() -> String {
     let yaml = capo_api::crds::to_yaml(&in_cluster("capo-system")).expect("serializes");
-    format!("# Generated by `make manifests` from src/webhook_config.rs. Do not edit.\n{yaml}")
+    let sticky = capo_api::crds::to_yaml(&in_cluster_sticky("capo-system")).expect("serializes");
+    format!("# Generated by `make manifests` from src/webhook_config.rs. Do not edit.\n{yaml}---\n{sticky}")
 }
 
-/// Creates or updates the configuration (server-side apply).
+/// Creates or updates both configurations (server-side apply).
 pub async fn apply(client: &Client, reg: &Registration) -> Result<(), kube::Error> {
     let api = Api::<ValidatingWebhookConfiguration>::all(client.clone());
     api.patch(&reg.name, &PatchParams::apply("capo").force(), &Patch::Apply(render(reg))).await?;
+    let api = Api::<MutatingWebhookConfiguration>::all(client.clone());
+    api.patch(&reg.name, &PatchParams::apply("capo").force(), &Patch::Apply(render_sticky(reg))).await?;
     Ok(())
 }
 
 pub async fn delete(client: &Client, name: &str) -> Result<(), kube::Error> {
-    let api = Api::<ValidatingWebhookConfiguration>::all(client.clone());
-    match api.delete(name, &Default::default()).await {
+    let gone = |r: Result<_, kube::Error>| match r {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
         Err(e) => Err(e),
-    }
+    };
+    gone(Api::<MutatingWebhookConfiguration>::all(client.clone()).delete(name, &Default::default()).await.map(|_| ()))?;
+    gone(Api::<ValidatingWebhookConfiguration>::all(client.clone()).delete(name, &Default::default()).await.map(|_| ()))
 }
 
 #[cfg(test)]

@@ -137,6 +137,7 @@ fn argo_cd_syncs_crds_then_the_controller_then_the_webhook_then_the_policies() {
         assert_eq!(of("CustomResourceDefinition").len(), 2, "{source}");
         assert_eq!(wave(of("Deployment")[0]), "-1", "{source}");
         assert_eq!(wave(of("ValidatingWebhookConfiguration")[0]), "0", "{source}");
+        assert_eq!(wave(of("MutatingWebhookConfiguration")[0]), "0", "{source}");
     }
     let read = |p: &str| -> Value { serde_saphyr::from_str(&std::fs::read_to_string(root.join(p)).unwrap()).unwrap() };
     let policies = read("argocd/policies.yaml");

@@ -296,12 +296,20 @@ fn compare(chart: &[Value], kustomize: &[Value], overlay: &str) {
     for w in a["webhooks"].as_array().unwrap() {
         assert!(w["clientConfig"].get("caBundle").is_none(), "no caBundle field in the rendered chart: {w}");
     }
+    let (a, b) = (
+        find(&chart, "MutatingWebhookConfiguration", "capo"),
+        find(&kustomize, "MutatingWebhookConfiguration", "capo"),
+    );
+    assert_eq!(contract(a), contract(b), "{overlay}: the same sticky webhook");
+    assert_eq!(a["metadata"]["annotations"], b["metadata"]["annotations"], "{overlay}: the same injection (sticky)");
 }
 
 #[test]
 fn the_chart_copies_of_the_cel_filter_and_the_alerts_are_current() {
     let cel = std::fs::read_to_string(repo("charts/capo/files/match-condition.cel")).unwrap();
     assert_eq!(cel.trim(), capo::webhook_config::MATCH_CONDITION, "run `make crds`");
+    let cel = std::fs::read_to_string(repo("charts/capo/files/sticky-match-condition.cel")).unwrap();
+    assert_eq!(cel.trim(), capo::webhook_config::STICKY_MATCH_CONDITION, "run `make crds`");
     let alerts: Value =
         serde_saphyr::from_str(&std::fs::read_to_string(repo("charts/capo/files/alerts.yaml")).unwrap()).unwrap();
     let rule: Value =

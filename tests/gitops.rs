@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use capo_api::{CalicoApiGroup, CapoPolicy, ReservedIP};
-use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::admissionregistration::v1::{MutatingWebhookConfiguration, ValidatingWebhookConfiguration};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::jiff::Timestamp;
@@ -237,6 +237,7 @@ async fn no_capo_install(argo: &Argo, admin: &Client) {
         argo.delete_cascade(app).await;
     }
     let _ = Api::<ValidatingWebhookConfiguration>::all(admin.clone()).delete("capo", &DeleteParams::default()).await;
+    let _ = Api::<MutatingWebhookConfiguration>::all(admin.clone()).delete("capo", &DeleteParams::default()).await;
     if Api::<Namespace>::all(admin.clone()).get_opt("capo-system").await.unwrap().is_some() {
         let _ = Api::<Namespace>::all(admin.clone()).delete("capo-system", &DeleteParams::default()).await;
     }

@@ -499,7 +499,7 @@ async fn client_without_reservation_rights(client: &Client, ns: &str) -> Client 
         "rules": [
             { "apiGroups": [""], "resources": ["pods", "namespaces"], "verbs": ["get", "list", "watch"] },
             { "apiGroups": ["capo.io"], "resources": ["capopolicies", "capopolicies/status", "reservedips"], "verbs": ["*"] },
-            { "apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations"], "verbs": ["*"] },
+            { "apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"], "verbs": ["*"] },
             { "nonResourceURLs": ["*"], "verbs": ["get"] },
         ],
     }))

@@ -123,6 +123,10 @@ async fn capos_service_account_has_least_privilege() {
         &["create", "secrets", "-n", "capo-system"],
         &["patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
         &["watch", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        &["patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        &["watch", "mutatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        // Sticky IPs: whether the old Pod's node is Ready.
+        &["get", "nodes"],
     ];
     let denied: &[&[&str]] = &[
         &["delete", "ipreservations.crd.projectcalico.org"],
@@ -141,7 +145,9 @@ async fn capos_service_account_has_least_privilege() {
         &["create", "validatingwebhookconfigurations.admissionregistration.k8s.io"],
         &["patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/other"],
         &["delete", "validatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
-        &["patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        &["patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io/other"],
+        &["delete", "mutatingwebhookconfigurations.admissionregistration.k8s.io/capo"],
+        &["patch", "nodes"],
         &["get", "statefulsets.apps"],
         &["get", "apiservices.apiregistration.k8s.io/v1.capo.io"],
         &["list", "apiservices.apiregistration.k8s.io"],
@@ -230,7 +236,11 @@ async fn the_installed_manifests_work_as_they_are_and_show_no_drift() {
     }
     capo.shutdown().await;
     let _ = std::fs::remove_file(&file);
-    let (ok, out) = kubectl(&["delete", "validatingwebhookconfiguration", "capo", "--ignore-not-found"], None).await;
+    let (ok, out) = kubectl(
+        &["delete", "validatingwebhookconfiguration,mutatingwebhookconfiguration", "capo", "--ignore-not-found"],
+        None,
+    )
+    .await;
     assert!(ok, "{out}");
 }
 
@@ -303,7 +313,8 @@ fn the_rights_in_the_docs_are_the_rights_in_the_manifests() {
 }
 
 /// `patch pods` is cluster-wide; the ValidatingAdmissionPolicy of the manifests leaves
-/// capo's ServiceAccount nothing of a Pod to change but its two marks.
+/// capo's ServiceAccount nothing of a Pod to change but its two marks, and the addresses
+/// its sticky webhook handed back (removed together).
 #[tokio::test]
 async fn capos_service_account_may_change_nothing_of_a_pod_but_its_marks() {
     let client = setup().await;
@@ -361,6 +372,33 @@ async fn capos_service_account_may_change_nothing_of_a_pod_but_its_marks() {
     assert_eq!(now.annotations().get("capo.io/released"), Some(&mark));
     assert_eq!(now.labels().get("app").map(String::as_str), Some("zk"));
     assert_ne!(now.spec.unwrap().containers[0].image.as_deref(), Some("evil:latest"));
+    // Sticky IPs' fallback: the two annotations capo's webhook wrote, removed together and
+    // only while they say the same; never an address a user named on their own.
+    let ip = Ips::v4();
+    let named = format!("[\"{ip}\"]");
+    let handed_back = [("cni.projectcalico.org/ipAddrs", named.as_str()), ("capo.io/sticky-claim", named.as_str())];
+    let back = unscheduled_pod("zk-1", &[("app", "zk")], &handed_back);
+    let back = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &ns.name)
+        .create(&Default::default(), &back)
+        .await
+        .unwrap();
+    let only_one = json!({ "metadata": { "annotations": { "cni.projectcalico.org/ipAddrs": null } } });
+    let e = pods.patch("zk-1", &Default::default(), &kube::api::Patch::Merge(only_one)).await.expect_err("one of two");
+    assert!(e.to_string().contains("capo-pod-marks-only"), "{e}");
+    let as_capo = as_capo_service_account().await;
+    let took = capo::hold::marks::take_back(&as_capo, &ns.name, "zk-1", "the-held-pod", ip).await.unwrap();
+    assert_eq!(took, back.uid(), "capo's fallback removes both");
+    let mine = [("cni.projectcalico.org/ipAddrs", named.as_str())];
+    let user = unscheduled_pod("zk-2", &[("app", "zk")], &mine);
+    Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &ns.name)
+        .create(&Default::default(), &user)
+        .await
+        .unwrap();
+    let remove = json!({ "metadata": { "annotations": { "cni.projectcalico.org/ipAddrs": null } } });
+    let e = pods.patch("zk-2", &Default::default(), &kube::api::Patch::Merge(remove)).await.expect_err("a user's");
+    assert!(e.to_string().contains("capo-pod-marks-only"), "{e}");
+    let took = capo::hold::marks::take_back(&as_capo, &ns.name, "zk-2", "the-held-pod", ip).await.unwrap();
+    assert_eq!(took, None, "an address the user named is never taken back");
     // Everyone else is untouched by the policy: the admin changes a label.
     Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), &ns.name)
         .patch("zk-0", &Default::default(), &kube::api::Patch::Merge(json!({ "metadata": { "labels": { "x": "y" } } })))

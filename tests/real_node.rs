@@ -23,7 +23,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use support::leading::{V1, release_settings};
+use support::leading::{V1, release_settings, wait_metric, wait_released};
 use support::plane::{PrivatePlane, private_plane_with_real_node};
 use support::*;
 
@@ -231,6 +231,45 @@ async fn a_deleted_pods_address_is_held_before_calicos_cni_del_and_the_new_pod_g
     );
     assert!(handles.get_opt(&handle_y).await.unwrap().is_some(), "{handle_y} of the running redis-0 is kept");
     assert_eq!(who_answers(y).unwrap(), "redis-0", "the running redis-0 keeps {y}");
+    drop(plane);
+}
+
+/// Issue 26 with Calico's real CNI plugin: with `sticky`, redis-0 deleted on the real node
+/// comes back with the same address. capo's webhook named it in
+/// `cni.projectcalico.org/ipAddrs`; Calico's CNI plugin asked its IPAM plugin for exactly
+/// that address (its log says so), the kubelet started the Pod on it, it answers there, and
+/// the hold ends (`reason="sticky"`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_sticky_calicos_cni_plugin_gives_the_recreated_pod_its_address_back() {
+    if skipped() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = "real-sticky";
+    let Bench { plane, client, policy, capo } = bench("real-node-sticky", Calico::Kubernetes, ns, "10m").await;
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "10m",
+                       "sticky": { "enabled": true } });
+    apply_policy(&client, &policy, ns, spec).await;
+
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns);
+    sets.create(&PostParams::default(), &redis_statefulset("redis")).await.unwrap();
+    let first = wait_ready(&client, ns, "redis-0", None).await;
+    let x = pod_ips(&first)[0];
+    assert_eq!(who_answers(x).unwrap(), "redis-0");
+
+    Api::<Pod>::namespaced(client.clone(), ns).delete("redis-0", &DeleteParams::default()).await.unwrap();
+    assert!(record(&client, x).await.is_some(), "{x} held when the DELETE returns");
+    let second = wait_ready(&client, ns, "redis-0", first.uid().as_deref()).await;
+    assert_eq!(pod_ips(&second), vec![x], "the recreated redis-0 has its address back");
+    let named = second.metadata.annotations.as_ref().and_then(|a| a.get("cni.projectcalico.org/ipAddrs"));
+    assert_eq!(named.map(String::as_str), Some(format!("[\"{x}\"]").as_str()));
+    let asked = cni_log_times(&plane.state_dir, &["Calico CNI IPAM request IP", &x.to_string()]);
+    assert!(!asked.is_empty(), "Calico's CNI plugin asked its IPAM for {x}:\n{}", cni_text(&plane));
+    assert_eq!(who_answers(x).unwrap(), "redis-0", "the new redis-0 answers on {x}");
+    wait_released(&client, x, Duration::from_secs(30)).await;
+    assert!(!policy_entries(&client, V1, &policy).await.contains(&cidr(x)), "the hold ended");
+    let sticky = format!("capo_releases_total{{policy=\"{policy}\",reason=\"sticky\"}}");
+    assert_eq!(wait_metric(&capo, &sticky, 1.0).await, 1.0);
     drop(plane);
 }
 

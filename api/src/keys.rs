@@ -7,6 +7,10 @@ pub const MANAGED_BY_VALUE: &str = "capo";
 /// On a capo-owned `IPReservation` and on a `ReservedIP`: the policy it belongs to.
 pub const POLICY_LABEL: &str = "capo.io/policy";
 
+/// On a `ReservedIP`: the uid of the held Pod's controller (its StatefulSet), so the
+/// webhook finds the holds of a Pod created again by that controller.
+pub const OWNER_UID_LABEL: &str = "capo.io/owner-uid";
+
 /// The prefix of every capo label and annotation.
 pub const CAPO_PREFIX: &str = "capo.io/";
 
@@ -19,6 +23,14 @@ pub const HOLD_ANNOTATION: &str = "capo.io/hold";
 /// Pod annotation: ask for a longer or shorter hold (a duration such as `2h`), within the
 /// bounds the policy's `podOverrides` allow.
 pub const RESERVE_FOR_ANNOTATION: &str = "capo.io/reserve-for";
+/// Pod annotation: `"false"` opts the Pod out of sticky IPs (its policy's `sticky`).
+pub const STICKY_ANNOTATION: &str = "capo.io/sticky";
+/// Pod annotation read by Calico's CNI plugin: the addresses the Pod must get (a JSON
+/// list). capo's sticky webhook writes it on a recreated Pod.
+pub const CALICO_IP_ADDRS_ANNOTATION: &str = "cni.projectcalico.org/ipAddrs";
+/// Pod annotation written with [`CALICO_IP_ADDRS_ANNOTATION`]: the held addresses capo
+/// handed back, so the leader removes exactly its own annotation on fallback.
+pub const STICKY_CLAIM_ANNOTATION: &str = "capo.io/sticky-claim";
 /// Pod annotation written by capo's leader when it released the hold of a Pod whose object
 /// still exists (a Failed Pod lingers, a deleted one waits on a finalizer): `<reason> <time>`.
 /// capo never holds that Pod's IPs again — a hold belongs to one Pod UID, once.

@@ -15,8 +15,9 @@ pub mod selector;
 
 pub use calico::CalicoApiGroup;
 pub use duration::{Duration, DurationError};
-pub use policy::{CapoPolicy, CapoPolicySpec, CapoPolicyStatus, HoldFailureAction, ReleaseEarly};
+pub use policy::{CapoPolicy, CapoPolicySpec, CapoPolicyStatus, HoldFailureAction, ReleaseEarly, Sticky};
 pub use reserved_ip::{
     ControllerRef, HoldTrigger, ManualAction, ManualChange, PodRef, ReservedIP, ReservedIPSpec, ReservedIPStatus,
+    StickyClaim,
 };
 pub use selector::{LabelSelector, LabelSet, Labels, Operator, SelectorRequirement};

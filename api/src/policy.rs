@@ -10,6 +10,7 @@ pub const DEFAULT_RESERVE_FOR: &str = "40m";
 pub const DEFAULT_MAX_RESERVED: u32 = 300;
 pub const DEFAULT_RELEASE_INTERVAL: &str = "5s";
 pub const DEFAULT_RELEASE_BATCH: u32 = 10;
+pub const DEFAULT_STICKY_FALLBACK_AFTER: &str = "90s";
 
 /// A cluster-scoped policy that selects Pods whose IPs capo holds in a Calico
 /// `IPReservation` when they are deleted or evicted.
@@ -122,6 +123,11 @@ pub struct CapoPolicySpec {
     /// What a Pod may ask for through its annotations.
     #[serde(default)]
     pub pod_overrides: PodOverrides,
+
+    /// Sticky IPs (opt-in): a StatefulSet Pod created again under the same name gets its
+    /// held addresses back, instead of new ones, while they are held.
+    #[serde(default, skip_serializing_if = "Sticky::is_off")]
+    pub sticky: Sticky,
 }
 
 fn default_reserve_for() -> String {
@@ -221,6 +227,40 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     pub max_reserve_for: Option<String>,
+}
+
+/// Sticky IPs: capo's mutating webhook names the held addresses in the recreated Pod's
+/// `cni.projectcalico.org/ipAddrs`, and Calico's CNI plugin assigns exactly those.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Sticky {
+    /// Hand held addresses back to the Pod that replaces the deleted one (same namespace,
+    /// name and StatefulSet). A Pod annotated `capo.io/sticky: "false"` opts out.
+    #[serde(default)]
+    pub enabled: bool,
+    /// How long the recreated Pod may take to come up with its old addresses. Past it capo
+    /// removes the annotation, so the Pod gets new addresses, and the old ones stay held
+    /// for the rest of their time.
+    #[serde(default = "default_sticky_fallback_after")]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('5s')").message("sticky.fallbackAfter must be at least 5s"))]
+    pub fallback_after: String,
+}
+
+fn default_sticky_fallback_after() -> String {
+    DEFAULT_STICKY_FALLBACK_AFTER.to_string()
+}
+
+impl Default for Sticky {
+    fn default() -> Self {
+        Self { enabled: false, fallback_after: default_sticky_fallback_after() }
+    }
+}
+
+impl Sticky {
+    fn is_off(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// Health only; counters live in metrics (status churn would make Argo CD re-sync).

@@ -69,6 +69,10 @@ pub struct ReservedIPSpec {
     /// An operator's request (`capo release`, `capo extend`), carried out by the leader.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub manual: Option<ManualChange>,
+    /// The Pod was deleted with a grace period of 0 (forced): its containers may still
+    /// run with the address, so it is never handed back (sticky IPs).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub forced: bool,
 }
 
 /// What an operator asked for, and who.
@@ -110,6 +114,11 @@ pub struct PodRef {
     /// The Pod's controller (e.g. its StatefulSet), for early release when it is deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controller: Option<ControllerRef>,
+    /// Every address the Pod had when it was held (each held by a record of its own): a
+    /// dual-stack Pod's addresses are handed back together or not at all (sticky IPs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub addresses: Vec<String>,
 }
 
 /// A Pod's controlling owner, as its owner reference names it.
@@ -184,9 +193,40 @@ pub struct ReservedIPStatus {
     /// spec. The leader keeps it until it carries it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub manual: Option<ManualChange>,
+    /// Sticky IPs: the Pod created again under the held Pod's name was given this address
+    /// back (by `cni.projectcalico.org/ipAddrs`). While the claim is pending the hold is
+    /// never released; it ends once that Pod shows the address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<StickyClaim>,
+}
+
+/// A recreated Pod's claim on a held address.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StickyClaim {
+    /// When capo's webhook handed the address back.
+    pub at: MicroTime,
+    /// Until when the Pod may take to show it; past it capo falls back.
+    pub until: MicroTime,
+    /// When capo fell back: the Pod did not show the address in time, its annotation was
+    /// removed, and the hold runs its course. A claim that fell back is never made again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back_at: Option<MicroTime>,
+}
+
+impl StickyClaim {
+    /// Whether the claim still protects the hold at `now`.
+    pub fn pending(&self, now: k8s_openapi::jiff::Timestamp) -> bool {
+        self.fell_back_at.is_none() && now < self.until.0
+    }
 }
 
 impl ReservedIP {
+    /// The claim of a recreated Pod (sticky IPs), if any.
+    pub fn claim(&self) -> Option<&StickyClaim> {
+        self.status.as_ref().and_then(|s| s.claim.as_ref())
+    }
+
     /// The operator's latest request: the status subresource's or (written by capo before
     /// 0.x, or by hand) the spec's, whichever was made last.
     pub fn manual(&self) -> Option<&ManualChange> {

@@ -294,6 +294,33 @@ func (c *calico) autoAssignIn(ctx context.Context, host, handle string, fam fami
 	return ips, nil
 }
 
+// assignNamed is the CNI plugin's path for a Pod annotated cni.projectcalico.org/ipAddrs
+// (a JSON list): AssignIP of each address with the Pod's handle, on the host. Calico
+// assigns such an address even when an IPReservation lists it, and refuses one another
+// handle owns ("already assigned"); on any failure what was assigned is released.
+func (c *calico) assignNamed(ctx context.Context, host, handle, annotation string, attrs map[string]string) ([]string, error) {
+	var named []string
+	if err := json.Unmarshal([]byte(annotation), &named); err != nil || len(named) == 0 {
+		return nil, fmt.Errorf("cni.projectcalico.org/ipAddrs %q: not a JSON list of addresses", annotation)
+	}
+	var ips []string
+	for _, s := range named {
+		ip := cnet.ParseIP(s)
+		if ip == nil {
+			return nil, fmt.Errorf("cni.projectcalico.org/ipAddrs: %q is not an address", s)
+		}
+		err := c.client.IPAM().AssignIP(ctx, ipam.AssignIPArgs{IP: *ip, HandleID: &handle, Hostname: host, Attrs: attrs})
+		if err != nil {
+			if len(ips) > 0 {
+				_ = c.client.IPAM().ReleaseByHandle(ctx, handle)
+			}
+			return nil, fmt.Errorf("AssignIP %s for handle %s on %s: %w", s, handle, host, err)
+		}
+		ips = append(ips, ip.String())
+	}
+	return ips, nil
+}
+
 // requestedPools resolves a Pod's cni.projectcalico.org/ipv4pools or ipv6pools annotation
 // (a JSON list of pool names or CIDRs) to CIDRs, as the CNI plugin does.
 func (c *calico) requestedPools(ctx context.Context, annotation string) ([]cnet.IPNet, error) {

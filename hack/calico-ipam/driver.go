@@ -4,8 +4,11 @@ package main
 // capo's stage file, neither assigns IPs nor deletes Pods) it does what a kubelet with
 // the calico-ipam CNI plugin does:
 //
-//   - CNI ADD: AutoAssign with the handle k8s-pod-network.<pod uid>, then the IPs go into
-//     the Pod's status (podIP, podIPs);
+//   - CNI ADD: AutoAssign with the handle k8s-pod-network.<pod uid> (or, for a Pod that
+//     names its addresses in cni.projectcalico.org/ipAddrs, AssignIP of each, as the
+//     plugin does), then the IPs go into the Pod's status (podIP, podIPs); a failed ADD
+//     is retried with backoff, as the kubelet retries sandbox creation, reading the
+//     Pod's annotations afresh each time;
 //   - CNI DEL: release by handle, when the Pod is being deleted, has terminated, or is gone;
 //   - finish a graceful deletion as a kubelet does: delete with grace 0 and a uid
 //     precondition, so a recreated Pod of the same name is never deleted by mistake.
@@ -47,6 +50,9 @@ const (
 	annotationHost = "capo-test/ipam-host"
 	// annotationFamilies picks the Pod's IP families: v4, v6 or v4,v6.
 	annotationFamilies = "capo-test/ip-families"
+	// annotationIPAddrs names the Pod's addresses, as with Calico's CNI plugin: each is
+	// assigned with AssignIP (which ignores IPReservations), none is auto-assigned.
+	annotationIPAddrs = "cni.projectcalico.org/ipAddrs"
 	// annotationIPv4Pools and annotationIPv6Pools pick a Pod's pools, as with Calico's CNI plugin.
 	annotationIPv4Pools = "cni.projectcalico.org/ipv4pools"
 	annotationIPv6Pools = "cni.projectcalico.org/ipv6pools"
@@ -280,6 +286,17 @@ func (d *driver) assign(ctx context.Context, pod *corev1.Pod, host, handle strin
 			ipam.AttributeNamespace: pod.Namespace,
 			ipam.AttributePod:       pod.Name,
 			ipam.AttributeTimestamp: time.Now().UTC().Format(time.RFC3339),
+		}
+		if named, ok := pod.Annotations[annotationIPAddrs]; ok {
+			what = "CNI ADD (ipAddrs)"
+			assigned, err := d.cal.assignNamed(ctx, host, handle, named, attrs)
+			if err != nil {
+				events.WithError(err).WithFields(log.Fields{"pod": pod.Namespace + "/" + pod.Name, "uid": pod.UID}).Warn("CNI ADD failed (ipAddrs); retrying")
+				return err
+			}
+			ips = append(ips, assigned...)
+			d.assigned.Add(1)
+			break
 		}
 		v4Pools, err := d.cal.requestedPools(ctx, pod.Annotations[annotationIPv4Pools])
 		if err != nil {

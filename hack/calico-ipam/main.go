@@ -6,7 +6,7 @@
 //	                          CNI ADD/DEL through Calico IPAM, finish graceful deletions
 //	capo-calico-ipam setup    install Calico's CRDs (Kubernetes datastore) and the IP pools
 //	capo-calico-ipam check    list IPReservations through Calico's clientv3, as JSON
-//	capo-calico-ipam assign   AutoAssign once (JSON); release: release by handle or address
+//	capo-calico-ipam assign   AutoAssign once, or AssignIP of --ip addresses (JSON); release: release by handle or address
 //	capo-calico-ipam reserve  write an IPReservation through Calico's clientv3
 //	capo-calico-ipam oracle   N AutoAssign/Release cycles; every address handed out, JSON
 //	capo-calico-ipam bench    AutoAssign latency against the number of reserved entries

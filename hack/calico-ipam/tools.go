@@ -103,6 +103,7 @@ func cmdAssign(ctx context.Context, args []string) error {
 	handle := fs.String("handle", "", "IPAM handle (required)")
 	num4 := fs.Int("num4", 1, "IPv4 addresses")
 	num6 := fs.Int("num6", 0, "IPv6 addresses")
+	named := fs.String("ip", "", "assign exactly these addresses (a JSON list, as in cni.projectcalico.org/ipAddrs) with AssignIP instead")
 	if err := parse(fs, &c, args); err != nil {
 		return err
 	}
@@ -115,6 +116,17 @@ func cmdAssign(ctx context.Context, args []string) error {
 	}
 	if err := cal.ensureHost(ctx, *host); err != nil {
 		return err
+	}
+	if *named != "" {
+		ips, err := cal.assignNamed(ctx, *host, *handle, *named, map[string]string{ipam.AttributeNode: *host})
+		if err != nil {
+			return err
+		}
+		return printJSON(struct {
+			Handle string   `json:"handle"`
+			IPs    []string `json:"ips"`
+			Blocks []string `json:"blocks"`
+		}{Handle: *handle, IPs: ips, Blocks: []string{}})
 	}
 	v4, v6, err := cal.client.IPAM().AutoAssign(ctx, ipam.AutoAssignArgs{
 		Num4: *num4, Num6: *num6, HandleID: handle, Hostname: *host,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Extension, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use capo_api::{HoldFailureAction, HoldTrigger};
@@ -102,7 +102,7 @@ pub struct Admission {
     pub readiness: Arc<Readiness>,
     pub settings: AdmissionSettings,
     /// Calico's IP pools: an address outside all of them is never held.
-    pools: Option<Arc<PoolStore>>,
+    pub(super) pools: Option<Arc<PoolStore>>,
     logged: LoggedOnce,
     intake: Intake,
 }
@@ -196,7 +196,16 @@ impl Admission {
 pub const REVIEW_PATH: &str = "/review-pod-deletion";
 
 pub fn router(admission: Arc<Admission>) -> Router {
-    Router::new().route(REVIEW_PATH, post(serve)).with_state(admission)
+    Router::new().route(REVIEW_PATH, post(serve)).route(super::STICKY_PATH, post(serve)).with_state(admission)
+}
+
+/// Which review an endpoint answers.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Endpoint {
+    /// Pod DELETE and `pods/eviction` CREATE (validating).
+    Deletion,
+    /// Pod CREATE (mutating, sticky IPs).
+    Sticky,
 }
 
 /// What is being reviewed.
@@ -264,11 +273,13 @@ async fn read_review(body: Body, length: Option<usize>) -> Result<Bytes, Respons
 
 async fn serve(
     State(adm): State<Arc<Admission>>,
+    uri: Uri,
     Query(query): Query<HashMap<String, String>>,
     caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let endpoint = if uri.path() == super::STICKY_PATH { Endpoint::Sticky } else { Endpoint::Deletion };
     let started = Instant::now();
     let deadline = started + budget(query.get("timeout").map(String::as_str), adm.settings.max_review_time);
     let length =
@@ -313,14 +324,20 @@ async fn serve(
         return (StatusCode::SERVICE_UNAVAILABLE, format!("capo is starting: waiting for {missing}")).into_response();
     }
     let caller = caller.map(|Extension(Caller(addr))| addr);
-    let (kind, outcome, response) = match adm.review(&request, deadline, caller).await {
+    let answered = match endpoint {
+        Endpoint::Deletion => adm
+            .review(&request, deadline, caller)
+            .await
+            .map(|(kind, o, r)| (kind.map_or("other", PodOperation::as_str), o, r)),
+        Endpoint::Sticky => adm.sticky(&request, response_to(&request), deadline).await.map(|(o, r)| ("create", o, r)),
+    };
+    let (op, outcome, response) = match answered {
         Ok(r) => r,
         Err(message) => {
             adm.metrics.admission_requests.with_label_values(&["unknown", "malformed"]).inc();
             return bad_request(message);
         }
     };
-    let op = kind.map_or("other", PodOperation::as_str);
     adm.metrics.admission_requests.with_label_values(&[op, outcome]).inc();
     adm.metrics.admission_duration.with_label_values(&[op, outcome]).observe(started.elapsed().as_secs_f64());
     axum::Json(response.into_review()).into_response()
@@ -421,7 +438,7 @@ impl Admission {
             warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), to.join(", ")));
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));
         }
-        Ok(self.hold(kind, &pod, plan, resp, deadline).await)
+        Ok(self.hold(kind, &pod, plan, resp, deadline, req.forced).await)
     }
 
     /// The Pod a DELETE review names, as the cluster has it: the body is a claim. Confirmed
@@ -517,6 +534,7 @@ impl Admission {
         plan: HoldPlan,
         resp: AdmissionResponse,
         deadline: Instant,
+        forced: bool,
     ) -> (Option<PodOperation>, &'static str, AdmissionResponse) {
         let policy = &plan.policy;
         let timeout = deadline.saturating_duration_since(Instant::now());
@@ -528,7 +546,7 @@ impl Admission {
             let trigger = kind.trigger();
             let shards = shards::count(plan.policy.max_reserved);
             tokio::spawn(async move {
-                store.hold(&HoldRequest { policy: &policy, shards, reserve_for, pod: &pod, trigger }).await
+                store.hold(&HoldRequest { policy: &policy, shards, reserve_for, pod: &pod, trigger, forced }).await
             })
         };
         let outcome = match tokio::time::timeout(timeout, &mut writing).await {
@@ -609,7 +627,7 @@ impl Admission {
 }
 
 /// Runs an API read with what is left of the review's budget.
-async fn within<T>(
+pub(super) async fn within<T>(
     deadline: Instant,
     read: impl std::future::Future<Output = Result<T, kube::Error>>,
 ) -> Result<T, String> {

@@ -46,8 +46,12 @@ struct RequestWire<'a> {
     dry_run: Option<bool>,
     #[serde(default, borrow)]
     old_object: Option<&'a RawValue>,
+    /// An Eviction, or the Pod of a CREATE: kept raw, decoded by what reads it.
+    #[serde(default, borrow)]
+    object: Option<&'a RawValue>,
+    /// A DELETE's options.
     #[serde(default)]
-    object: Option<EvictionWire>,
+    options: Option<DeleteOptionsWire>,
 }
 
 #[derive(Deserialize)]
@@ -75,6 +79,8 @@ struct EvictionWire {
 struct DeleteOptionsWire {
     #[serde(default)]
     dry_run: Option<Vec<String>>,
+    #[serde(default)]
+    grace_period_seconds: Option<i64>,
 }
 
 /// One admission request, as far as capo reads it.
@@ -95,6 +101,11 @@ pub struct ReviewRequest<'a> {
     pub eviction_dry_run: bool,
     /// The Pod being deleted, undecoded.
     pub old_object: Option<&'a RawValue>,
+    /// The request's object (the Pod of a CREATE), undecoded.
+    pub object: Option<&'a RawValue>,
+    /// The deletion asks for a grace period of 0 (`--force --grace-period=0`): the
+    /// API server removes the Pod at once, whether its containers stopped or not.
+    pub forced: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -114,8 +125,18 @@ pub fn parse(body: &[u8]) -> Result<ReviewRequest<'_>, ReviewError> {
         return Err(ReviewError::Version { api_version: wire.api_version, kind: wire.kind });
     }
     let r = wire.request.ok_or(ReviewError::NoRequest)?;
+    let object = r.object.filter(|raw| raw.get() != "null");
+    let eviction = match r.sub_resource.as_deref() {
+        Some("eviction") => object.map(|raw| serde_json::from_str::<EvictionWire>(raw.get())).transpose()?,
+        _ => None,
+    };
+    let eviction_options = eviction.and_then(|e| e.delete_options);
     let eviction_dry_run =
-        r.object.and_then(|o| o.delete_options).and_then(|d| d.dry_run).is_some_and(|modes| !modes.is_empty());
+        eviction_options.as_ref().and_then(|d| d.dry_run.as_ref()).is_some_and(|modes| !modes.is_empty());
+    let grace = match r.operation.as_str() {
+        "DELETE" => r.options.and_then(|o| o.grace_period_seconds),
+        _ => eviction_options.and_then(|d| d.grace_period_seconds),
+    };
     Ok(ReviewRequest {
         uid: r.uid,
         resource: r.resource.resource,
@@ -127,6 +148,8 @@ pub fn parse(body: &[u8]) -> Result<ReviewRequest<'_>, ReviewError> {
         dry_run: r.dry_run.unwrap_or(false),
         eviction_dry_run,
         old_object: r.old_object.filter(|raw| raw.get() != "null"),
+        object,
+        forced: grace == Some(0),
     })
 }
 
@@ -266,6 +289,33 @@ mod tests {
         assert!(r.eviction_dry_run && !r.dry_run);
         assert_eq!(r.sub_resource.as_deref(), Some("eviction"));
         assert!(r.old_object.is_none());
+    }
+
+    #[test]
+    fn a_grace_period_of_zero_is_a_forced_deletion_and_only_that() {
+        let delete = |options: serde_json::Value| {
+            review(json!({
+                "uid": "u1", "resource": {"resource": "pods"}, "name": "zk-0", "namespace": "ns",
+                "operation": "DELETE", "options": options, "oldObject": {"metadata": {"uid": "x"}},
+            }))
+        };
+        assert!(parse(&delete(json!({"gracePeriodSeconds": 0}))).unwrap().forced);
+        assert!(!parse(&delete(json!({"gracePeriodSeconds": 30}))).unwrap().forced);
+        assert!(!parse(&delete(json!({}))).unwrap().forced);
+        assert!(!parse(&delete(json!(null))).unwrap().forced);
+        let evict = review(json!({
+            "uid": "u1", "resource": {"resource": "pods"}, "subResource": "eviction", "name": "zk-0",
+            "namespace": "ns", "operation": "CREATE",
+            "object": {"kind": "Eviction", "deleteOptions": {"gracePeriodSeconds": 0}},
+        }));
+        assert!(parse(&evict).unwrap().forced, "an eviction with grace 0 too");
+        // A Pod CREATE keeps its object for the sticky webhook, and is not "forced".
+        let create = review(json!({
+            "uid": "u1", "resource": {"resource": "pods"}, "name": "zk-0", "namespace": "ns",
+            "operation": "CREATE", "object": {"metadata": {"name": "zk-0"}},
+        }));
+        let r = parse(&create).unwrap();
+        assert!(!r.forced && r.object.is_some_and(|o| o.get().contains("zk-0")));
     }
 
     #[test]

@@ -25,6 +25,10 @@ fn main() -> std::io::Result<()> {
     let files = root.join("charts/capo/files");
     std::fs::create_dir_all(&files)?;
     std::fs::write(files.join("match-condition.cel"), format!("{}\n", capo::webhook_config::MATCH_CONDITION))?;
+    std::fs::write(
+        files.join("sticky-match-condition.cel"),
+        format!("{}\n", capo::webhook_config::STICKY_MATCH_CONDITION),
+    )?;
     let rule: serde_json::Value =
         serde_saphyr::from_str(&std::fs::read_to_string(root.join("config/prometheus/prometheus_rule.yaml"))?)
             .map_err(std::io::Error::other)?;

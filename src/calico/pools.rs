@@ -29,6 +29,8 @@ pub struct Pool {
     pub name: String,
     pub cidr: IpNet,
     pub disabled: bool,
+    /// The pool serves only some nodes (`spec.nodeSelector` other than `all()`).
+    pub node_restricted: bool,
 }
 
 /// One IPAM block: its CIDR and which of its addresses are allocated (by ordinal).
@@ -75,7 +77,13 @@ impl Pool {
     fn from_object(obj: &DynamicObject) -> Option<Self> {
         let spec = &obj.data["spec"];
         let cidr: IpNet = spec["cidr"].as_str()?.parse().ok()?;
-        Some(Self { name: obj.name_any(), cidr: cidr.trunc(), disabled: spec["disabled"].as_bool().unwrap_or(false) })
+        let selector = spec["nodeSelector"].as_str().map(str::trim).unwrap_or_default();
+        Some(Self {
+            name: obj.name_any(),
+            cidr: cidr.trunc(),
+            disabled: spec["disabled"].as_bool().unwrap_or(false),
+            node_restricted: !(selector.is_empty() || selector == "all()"),
+        })
     }
 }
 
@@ -392,7 +400,7 @@ impl PoolStore {
         for (name, cidr) in pools {
             inner.pools.insert(
                 name.to_string(),
-                Pool { name: name.to_string(), cidr: cidr.parse().unwrap(), disabled: false },
+                Pool { name: name.to_string(), cidr: cidr.parse().unwrap(), disabled: false, node_restricted: false },
             );
         }
         for (name, cidr, allocated) in blocks {

@@ -1,5 +1,6 @@
 //! Writes the CA bundle capo serves under into `clientConfig.caBundle` of every webhook
-//! of capo's ValidatingWebhookConfiguration, and writes it back whenever someone else
+//! of capo's ValidatingWebhookConfiguration (and of its MutatingWebhookConfiguration, the
+//! sticky IPs' webhook, of the same name), and writes it back whenever someone else
 //! changes it (a re-created configuration, a `kubectl replace`). It applies only that
 //! field, server-side, as its own field manager, so Helm, kustomize and Argo CD never
 //! carry a caBundle and never see it as drift (Argo CD: `ignoreDifferences` on it).
@@ -12,7 +13,9 @@ use std::time::Duration;
 
 use base64::Engine;
 use futures::StreamExt;
-use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration, WebhookClientConfig,
+};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -26,13 +29,42 @@ use crate::metrics::TlsMetrics;
 /// The field manager of the caBundle.
 pub const FIELD_MANAGER: &str = "capo-ca-injector";
 
+/// A webhook configuration capo injects its CA bundle into.
+pub trait WebhookConfiguration:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + serde::Serialize
+    + Send
+    + Sync
+    + 'static
+{
+    const KIND: &'static str;
+    /// Each webhook's name and client configuration.
+    fn webhooks(&self) -> Vec<(&str, &WebhookClientConfig)>;
+}
+
+impl WebhookConfiguration for ValidatingWebhookConfiguration {
+    const KIND: &'static str = "ValidatingWebhookConfiguration";
+    fn webhooks(&self) -> Vec<(&str, &WebhookClientConfig)> {
+        self.webhooks.as_deref().unwrap_or_default().iter().map(|w| (w.name.as_str(), &w.client_config)).collect()
+    }
+}
+
+impl WebhookConfiguration for MutatingWebhookConfiguration {
+    const KIND: &'static str = "MutatingWebhookConfiguration";
+    fn webhooks(&self) -> Vec<(&str, &WebhookClientConfig)> {
+        self.webhooks.as_deref().unwrap_or_default().iter().map(|w| (w.name.as_str(), &w.client_config)).collect()
+    }
+}
+
 /// What every webhook of `config` trusts: the certificates all their caBundles share.
-pub fn trusted(config: Option<&ValidatingWebhookConfiguration>) -> Injected {
+pub fn trusted<C: WebhookConfiguration>(config: Option<&C>) -> Injected {
     let Some(config) = config else { return Injected::Unknown };
-    let webhooks = config.webhooks.as_deref().unwrap_or_default();
     let mut common: Option<Vec<Vec<u8>>> = None;
-    for w in webhooks {
-        let pem = w.client_config.ca_bundle.as_ref().map(|b| String::from_utf8_lossy(&b.0).to_string());
+    for (_, client_config) in config.webhooks() {
+        let pem = client_config.ca_bundle.as_ref().map(|b| String::from_utf8_lossy(&b.0).to_string());
         let ders: Vec<Vec<u8>> = pem
             .and_then(|p| pki::parse_bundle("caBundle", &p).ok())
             .unwrap_or_default()
@@ -48,29 +80,27 @@ pub fn trusted(config: Option<&ValidatingWebhookConfiguration>) -> Injected {
 }
 
 /// The webhooks whose caBundle is not exactly `bundle`.
-fn stale<'a>(config: &'a ValidatingWebhookConfiguration, bundle: &str) -> Vec<&'a str> {
+fn stale<'a, C: WebhookConfiguration>(config: &'a C, bundle: &str) -> Vec<&'a str> {
     config
-        .webhooks
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .filter(|w| w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(bundle.as_bytes()))
-        .map(|w| w.name.as_str())
+        .webhooks()
+        .into_iter()
+        .filter(|(_, c)| c.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(bundle.as_bytes()))
+        .map(|(name, _)| name)
         .collect()
 }
 
 /// Keeps the caBundle of configuration `name` equal to `bundle`; reports what it trusts
 /// on `trust`. Runs until the task is dropped.
-pub async fn run(
+pub async fn run<C: WebhookConfiguration>(
     client: Client,
     name: String,
     mut bundle: watch::Receiver<Option<Arc<str>>>,
     trust: watch::Sender<Injected>,
     metrics: Option<TlsMetrics>,
 ) {
-    let api = Api::<ValidatingWebhookConfiguration>::all(client);
+    let api = Api::<C>::all(client);
     let mut configs = super::watch_named(api.clone(), &name).boxed();
-    let mut seen: Option<ValidatingWebhookConfiguration> = None;
+    let mut seen: Option<C> = None;
     let mut synced = false;
     let mut missing_logged = false;
     let mut retry_at: Option<tokio::time::Instant> = None;
@@ -94,7 +124,7 @@ pub async fn run(
         });
         let Some(config) = &seen else {
             if !missing_logged {
-                info!(webhook = %name, "no ValidatingWebhookConfiguration to inject the CA bundle into yet");
+                info!(webhook = %name, kind = C::KIND, "no webhook configuration to inject the CA bundle into yet");
                 missing_logged = true;
             }
             continue;
@@ -108,15 +138,15 @@ pub async fn run(
         let encoded = base64::engine::general_purpose::STANDARD.encode(want.as_bytes());
         let patch = json!({
             "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "ValidatingWebhookConfiguration",
+            "kind": C::KIND,
             "metadata": { "name": name },
-            "webhooks": config.webhooks.as_deref().unwrap_or_default().iter()
-                .map(|w| json!({ "name": w.name, "clientConfig": { "caBundle": encoded } }))
+            "webhooks": config.webhooks().iter()
+                .map(|(name, _)| json!({ "name": name, "clientConfig": { "caBundle": encoded } }))
                 .collect::<Vec<_>>(),
         });
         match api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(patch)).await {
             Ok(updated) => {
-                info!(webhook = %name, stale = ?webhooks, "injected the CA bundle");
+                info!(webhook = %name, kind = C::KIND, stale = ?webhooks, "injected the CA bundle");
                 if let Some(m) = &metrics {
                     m.ca_injections.with_label_values(&["ok"]).inc();
                 }
@@ -124,7 +154,7 @@ pub async fn run(
                 trust.send_replace(trusted(seen.as_ref()));
             }
             Err(e) => {
-                warn!(webhook = %name, error = %e, "could not inject the CA bundle; retrying");
+                warn!(webhook = %name, kind = C::KIND, error = %e, "could not inject the CA bundle; retrying");
                 if let Some(m) = &metrics {
                     m.ca_injections.with_label_values(&["failed"]).inc();
                 }
@@ -160,7 +190,7 @@ mod tests {
         let a = pki::new_ca(now, Duration::from_secs(60)).unwrap().cert_pem;
         let b = pki::new_ca(now, Duration::from_secs(60)).unwrap().cert_pem;
         let der = |pem: &str| pki::parse_one("x", pem).unwrap().der;
-        assert_eq!(trusted(None), Injected::Unknown);
+        assert_eq!(trusted::<ValidatingWebhookConfiguration>(None), Injected::Unknown);
         let both = format!("{a}{b}");
         assert_eq!(trusted(Some(&config(&[Some(&both), Some(&both)]))), Injected::Bundle(vec![der(&a), der(&b)]));
         assert_eq!(trusted(Some(&config(&[Some(&both), Some(&a)]))), Injected::Bundle(vec![der(&a)]));

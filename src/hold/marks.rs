@@ -33,3 +33,47 @@ pub async fn mark(
         Err(e) => Err(e),
     }
 }
+
+/// Sticky IPs' fallback: removes the addresses capo handed back to the Pod
+/// `namespace/name` (`cni.projectcalico.org/ipAddrs` and `capo.io/sticky-claim`, which
+/// say the same) when it is not the held Pod `held_uid` and they name `ip`, so that
+/// Calico's CNI plugin assigns it new addresses on its next try. Both values and the
+/// Pod's uid are tested in the patch: addresses a user named are never touched.
+/// `Ok(Some(uid))`: the Pod's uid, its annotations removed; `Ok(None)`: nothing to take.
+pub async fn take_back(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    held_uid: &str,
+    ip: std::net::IpAddr,
+) -> Result<Option<String>, KubeError> {
+    use capo_api::keys::{CALICO_IP_ADDRS_ANNOTATION, STICKY_CLAIM_ANNOTATION};
+    let api = Api::<Pod>::namespaced(client.clone(), namespace);
+    let Some(pod) = api.get_opt(name).await? else { return Ok(None) };
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let annotations = pod.metadata.annotations.unwrap_or_default();
+    let (Some(claim), Some(named)) =
+        (annotations.get(STICKY_CLAIM_ANNOTATION), annotations.get(CALICO_IP_ADDRS_ANNOTATION))
+    else {
+        return Ok(None);
+    };
+    let names_ip = serde_json::from_str::<Vec<String>>(claim)
+        .is_ok_and(|list| list.iter().any(|a| a.parse::<std::net::IpAddr>().is_ok_and(|a| a == ip)));
+    if uid == held_uid || claim != named || !names_ip {
+        return Ok(None);
+    }
+    let path = |key: &str| format!("/metadata/annotations/{}", key.replace('~', "~0").replace('/', "~1"));
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        { "op": "test", "path": "/metadata/uid", "value": uid },
+        { "op": "test", "path": path(STICKY_CLAIM_ANNOTATION), "value": claim },
+        { "op": "test", "path": path(CALICO_IP_ADDRS_ANNOTATION), "value": named },
+        { "op": "remove", "path": path(STICKY_CLAIM_ANNOTATION) },
+        { "op": "remove", "path": path(CALICO_IP_ADDRS_ANNOTATION) },
+    ]))
+    .expect("static patch shape");
+    match api.patch(name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+        Ok(_) => Ok(Some(uid)),
+        Err(KubeError::Api(s)) if s.code == 404 || s.code == 409 || s.code == 422 => Ok(None),
+        Err(e) => Err(e),
+    }
+}

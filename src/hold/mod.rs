@@ -33,6 +33,8 @@ pub struct HoldRequest<'a> {
     pub reserve_for: std::time::Duration,
     pub pod: &'a PodFacts,
     pub trigger: HoldTrigger,
+    /// Deleted with a grace period of 0: never handed back (sticky IPs).
+    pub forced: bool,
 }
 
 /// One IP that is now held.
@@ -198,11 +200,13 @@ impl HoldWriter {
                 uid: req.pod.uid.clone(),
                 node: req.pod.node.clone(),
                 controller: req.pod.controller.clone(),
+                addresses: req.pod.ips.iter().map(ToString::to_string).collect(),
             },
             trigger: req.trigger,
             reserved_at: MicroTime(k8s_openapi::jiff::Timestamp::now()),
             reserve_for: capo_api::Duration::from_std(req.reserve_for).to_string(),
             manual: None,
+            forced: req.forced,
         };
         let (entry, record) =
             tokio::join!(self.reservations.hold_placed(req.policy, req.shards, &cidr), self.records.record(ip, spec));

@@ -6,7 +6,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, POLICY_LABEL};
+use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, OWNER_UID_LABEL, POLICY_LABEL};
 use capo_api::reserved_ip::record_name;
 use capo_api::{ReservedIP, ReservedIPSpec};
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
@@ -67,6 +67,14 @@ fn classify(e: KubeError) -> RecordError {
     }
 }
 
+/// Whether `v` can be a label value (a uid always can; anything else is left out).
+fn is_label_value(v: &str) -> bool {
+    v.len() <= 63
+        && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && v.chars().next().is_none_or(|c| c.is_ascii_alphanumeric())
+        && v.chars().last().is_none_or(|c| c.is_ascii_alphanumeric())
+}
+
 #[derive(Clone)]
 pub struct Records {
     api: Api<ReservedIP>,
@@ -97,9 +105,16 @@ impl Records {
     /// Records the hold of `ip` (the address `spec.ip` spells).
     pub async fn record(&self, ip: IpAddr, spec: ReservedIPSpec) -> Result<RecordOutcome, RecordError> {
         let name = record_name(ip);
-        let labels = [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, spec.policy.as_str())]
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .into();
+        let mut labels: std::collections::BTreeMap<String, String> =
+            [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, spec.policy.as_str())]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into();
+        // The webhook finds the holds of a Pod its controller creates again by this label.
+        if let Some(uid) = spec.pod.controller.as_ref().and_then(|c| c.uid.as_deref())
+            && is_label_value(uid)
+        {
+            labels.insert(OWNER_UID_LABEL.to_string(), uid.to_string());
+        }
         let fresh = ReservedIP {
             metadata: ObjectMeta { name: Some(name.clone()), labels: Some(labels), ..Default::default() },
             spec,

@@ -199,6 +199,7 @@ impl SafetyNet {
                 reserve_for: plan.reserve_for,
                 pod: &facts,
                 trigger: HoldTrigger::SafetyNet,
+                forced: false,
             };
             match self.writer.hold(&req).await {
                 Ok(held) => {

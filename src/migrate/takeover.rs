@@ -339,11 +339,13 @@ async fn write(
                 uid: String::new(),
                 node: hold.node.clone(),
                 controller: None,
+                addresses: vec![],
             },
             trigger: HoldTrigger::Migrated,
             reserved_at: MicroTime(reserved_at),
             reserve_for: reserve_for.to_string(),
             manual: None,
+            forced: false,
         },
         status: None,
     };
@@ -358,6 +360,7 @@ async fn write(
         release_at: Some(MicroTime(release_at)),
         pod_kept_since: None,
         manual: None,
+        claim: None,
     };
     records
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": status })))

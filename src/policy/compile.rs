@@ -30,6 +30,8 @@ pub struct CompiledPolicy {
     pub allow_opt_in: bool,
     /// Bounds of a Pod's `capo.io/reserve-for`; `None` when the policy allows no override.
     pub reserve_for_bounds: Option<(Duration, Duration)>,
+    /// Sticky IPs: `Some(fallbackAfter)` when the policy hands held addresses back.
+    pub sticky: Option<Duration>,
 }
 
 /// Why a policy cannot be used; shown as the reason of its `Ready=False` condition.
@@ -122,6 +124,15 @@ impl CompiledPolicy {
                 Some((min, max))
             }
         };
+        let sticky = if spec.sticky.enabled {
+            let after = duration("sticky.fallbackAfter", &spec.sticky.fallback_after)?;
+            if after < Duration::from_secs(5) {
+                return Err(PolicyError::TooShort { field: "sticky.fallbackAfter", min: "5s" });
+            }
+            Some(after)
+        } else {
+            None
+        };
         Ok(Self {
             name,
             generation: policy.metadata.generation,
@@ -140,6 +151,7 @@ impl CompiledPolicy {
             release_batch: spec.release_batch.max(1),
             allow_opt_in: o.allow_opt_in,
             reserve_for_bounds,
+            sticky,
         })
     }
 

@@ -33,6 +33,9 @@ pub enum ReleaseReason {
     /// Repair: a record whose entry was missing while its Pod still runs, or an entry that
     /// another hold of the same IP makes redundant.
     Repair,
+    /// Sticky IPs: the Pod that replaced the held one came up with the address; the hold
+    /// has done its work.
+    Sticky,
 }
 
 impl ReleaseReason {
@@ -45,6 +48,7 @@ impl ReleaseReason {
             Self::PodKept => "pod-kept",
             Self::WorkloadGone => "workload-gone",
             Self::Repair => "repair",
+            Self::Sticky => "sticky",
         }
     }
 }
@@ -163,6 +167,9 @@ pub enum Action {
     WriteBack,
     /// The entry is missing and the hold is over (or its Pod stays): drop the record.
     Drop { reason: ReleaseReason, due: Option<Timestamp> },
+    /// Sticky IPs: the recreated Pod did not show the address by the claim's `until`:
+    /// take the addresses back from it and note the claim fell back; the hold runs on.
+    FallBack,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -264,7 +271,40 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             None => Action::Wait(recheck),
         }
     };
+    let action = sticky(f, action);
     Decision { status: desired, action }
+}
+
+/// Sticky IPs: a claimed hold ends once the Pod that replaced its own shows the address;
+/// while the claim is pending it is never released (nor dropped); past it, it falls back.
+fn sticky(f: &Facts<'_>, action: Action) -> Action {
+    let (rec, now) = (f.record, f.now);
+    let Some(claim) = rec.claim() else { return action };
+    let shown = f.pod.is_some_and(|p| {
+        p.uid != rec.spec.pod.uid && rec.spec.ip.parse().is_ok_and(|ip: std::net::IpAddr| p.ips.contains(&ip))
+    });
+    if shown {
+        return match action {
+            Action::Wait(_) | Action::Release { .. } if f.entry_present => {
+                Action::Release { reason: ReleaseReason::Sticky, due: now }
+            }
+            _ => Action::Drop { reason: ReleaseReason::Sticky, due: Some(now) },
+        };
+    }
+    if claim.fell_back_at.is_some() {
+        return action;
+    }
+    if !claim.pending(now) {
+        return Action::FallBack;
+    }
+    match action {
+        Action::Release { .. } => Action::Wait(Some(claim.until.0)),
+        // A missing entry of a claimed hold is written back: it keeps the address from
+        // everyone else until the recreated Pod has it.
+        Action::Drop { .. } => Action::WriteBack,
+        Action::Wait(at) => Action::Wait(Some(at.map_or(claim.until.0, |at| at.min(claim.until.0)))),
+        Action::WriteBack | Action::FallBack => action,
+    }
 }
 
 #[cfg(test)]
@@ -317,11 +357,13 @@ pub(crate) mod tests {
                         name: "redis".into(),
                         uid: None,
                     }),
+                    addresses: vec![],
                 },
                 trigger: HoldTrigger::Delete,
                 reserved_at: MicroTime(at(reserved)),
                 reserve_for: "60s".into(),
                 manual: None,
+                forced: false,
             },
             status,
         }
@@ -333,6 +375,7 @@ pub(crate) mod tests {
             release_at: Some(MicroTime(at(secs + 60.0))),
             pod_kept_since: None,
             manual: None,
+            claim: None,
         })
     }
 
@@ -600,5 +643,60 @@ pub(crate) mod tests {
             decide(&facts(&r, None, None, 70.0), &PlanSettings::default()).action,
             Action::Release { reason: ReleaseReason::Ttl, due: at(70.0) }
         );
+    }
+
+    #[test]
+    fn a_claimed_hold_is_never_released_ends_when_the_new_pod_shows_the_address_and_falls_back_after() {
+        let p = policy("p", json!({ "sticky": { "enabled": true } }));
+        let claim = |until: f64, fell_back: Option<f64>| capo_api::StickyClaim {
+            at: MicroTime(at(until - 90.0)),
+            until: MicroTime(at(until)),
+            fell_back_at: fell_back.map(|t| MicroTime(at(t))),
+        };
+        let with = |c: capo_api::StickyClaim| {
+            let mut status = gone_at(0.0).unwrap();
+            status.claim = Some(c);
+            record("10.0.0.1", "p", 0.0, Some(status))
+        };
+        let s = PlanSettings::default();
+        // Due by its TTL (60 s) while the claim runs to 100: it waits for the claim.
+        let r = with(claim(100.0, None));
+        assert_eq!(decide(&facts(&r, None, Some(&p), 70.0), &s).action, Action::Wait(Some(at(100.0))));
+        // An operator's release waits too; a missing entry is still written back.
+        let mut manual = r.clone();
+        manual.spec.manual = Some(capo_api::ManualChange {
+            action: ManualAction::Release,
+            by: "alice".into(),
+            at: MicroTime(at(50.0)),
+            until: None,
+        });
+        assert_eq!(decide(&facts(&manual, None, Some(&p), 70.0), &s).action, Action::Wait(Some(at(100.0))));
+        let mut missing = facts(&r, None, Some(&p), 70.0);
+        missing.entry_present = false;
+        missing.missing_since = Some(at(60.0));
+        assert_eq!(decide(&missing, &s).action, Action::WriteBack);
+        // The Pod that replaced the held one (another uid) shows the address: the hold ends.
+        let mut new = pod_of(&r, false, "Running");
+        new.uid = "the-new-pod".into();
+        let d = decide(&facts(&r, Some(&new), Some(&p), 70.0), &s);
+        assert_eq!(d.action, Action::Release { reason: ReleaseReason::Sticky, due: at(70.0) });
+        missing.pod = Some(&new);
+        assert_eq!(decide(&missing, &s).action, Action::Drop { reason: ReleaseReason::Sticky, due: Some(at(70.0)) });
+        // The held Pod itself (its own uid) with the address is no claim fulfilled.
+        let own = pod_of(&r, false, "Running");
+        assert!(!matches!(
+            decide(&facts(&r, Some(&own), Some(&p), 70.0), &s).action,
+            Action::Release { reason: ReleaseReason::Sticky, .. }
+        ));
+        // Past the claim without the address: fall back; once fallen back, the TTL rules.
+        assert_eq!(decide(&facts(&r, None, Some(&p), 100.0), &s).action, Action::FallBack);
+        let fell = with(claim(100.0, Some(101.0)));
+        assert_eq!(
+            decide(&facts(&fell, None, Some(&p), 102.0), &s).action,
+            Action::Release { reason: ReleaseReason::Ttl, due: at(60.0) }
+        );
+        // Before the TTL a pending claim shortens nothing but the next look.
+        let early = with(claim(30.0, None));
+        assert_eq!(decide(&facts(&early, None, Some(&p), 10.0), &s).action, Action::Wait(Some(at(30.0))));
     }
 }

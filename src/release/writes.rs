@@ -144,11 +144,13 @@ impl RecordWrites {
                     uid: String::new(),
                     node: None,
                     controller: None,
+                    addresses: vec![],
                 },
                 trigger: HoldTrigger::Adopted,
                 reserved_at: MicroTime(k8s_openapi::jiff::Timestamp::now()),
                 reserve_for: capo_api::Duration::from_std(reserve_for).to_string(),
                 manual: None,
+                forced: false,
             },
             status: None,
         };

@@ -174,7 +174,12 @@ impl PolicyWork {
             let counted: Vec<cap::Counted<'_>> = holds
                 .iter()
                 .zip(&standing)
-                .filter(|(r, (s, _))| !pacer.contains(r) && !matches!(s, Standing::Unsettled(_)))
+                // A claimed hold (sticky IPs) is never a victim while its claim is pending.
+                .filter(|(r, (s, _))| {
+                    !pacer.contains(r)
+                        && !matches!(s, Standing::Unsettled(_))
+                        && !r.claim().is_some_and(|c| c.pending(now))
+                })
                 .map(|(r, (s, age))| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.pod.namespace,

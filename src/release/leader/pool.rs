@@ -42,11 +42,14 @@ impl PoolWork {
             return;
         }
         let matcher = s.matcher.load();
+        let now = Timestamp::now();
         let victims = {
             let pacer = s.pacer();
             let counted: Vec<cap::Counted<'_>> = held
                 .iter()
-                .filter(|r| s.in_scope(&r.spec.policy) && !pacer.contains(r))
+                .filter(|r| {
+                    s.in_scope(&r.spec.policy) && !pacer.contains(r) && !r.claim().is_some_and(|c| c.pending(now))
+                })
                 .map(|r| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.policy,
@@ -91,7 +94,6 @@ impl PoolWork {
             );
             s.events.publish(&policy_ref(&policy), EventType::Warning, "PoolShareReached", "Release", note).await;
         }
-        let now = Timestamp::now();
         for (policy, records) in by_policy {
             s.submit(&policy, records.into_iter().map(|r| s.leaving(r, ReleaseReason::Pool, now)));
         }

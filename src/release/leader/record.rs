@@ -129,7 +129,7 @@ impl RecordWork {
         // A hold first looked at once it is already due (it waited behind a storm of new
         // holds) is released without writing the countdown it no longer needs: a worker
         // held by that write would be one more delay for every release behind it.
-        let releasing = matches!(decision.action, Action::Release { .. });
+        let releasing = matches!(decision.action, Action::Release { .. } | Action::FallBack);
         if !releasing && Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
             self.write_status(s, &rec, &decision.status).await?;
         }
@@ -146,6 +146,10 @@ impl RecordWork {
                     .map_err(|source| ReleaseError::Reservation { reservation: spec.reservation.clone(), source })?;
                 s.metrics.release.repairs.with_label_values(&["written_back"]).inc();
                 info!(record = name, reservation = %spec.reservation, "wrote a missing entry back");
+                Ok(None)
+            }
+            Action::FallBack => {
+                self.fall_back(s, &rec, decision.status).await?;
                 Ok(None)
             }
             Action::Drop { reason, due } => {
@@ -174,6 +178,41 @@ impl RecordWork {
         }
         s.writes.status(rec, status).await?;
         self.memory().written.insert(name, version);
+        Ok(())
+    }
+
+    /// Sticky IPs: the recreated Pod did not show the address in time. Its handed-back
+    /// addresses are taken back (so Calico's CNI plugin gives it new ones on its next
+    /// try), then the claim is noted as fallen back; the hold runs its course.
+    async fn fall_back(
+        &self,
+        s: &Shared,
+        rec: &capo_api::ReservedIP,
+        mut status: capo_api::ReservedIPStatus,
+    ) -> Result<(), ReleaseError> {
+        s.fence.check()?;
+        let spec = &rec.spec;
+        let (ns, name) = (&spec.pod.namespace, &spec.pod.name);
+        // consistency::check has made sure spec.ip is an address.
+        let Ok(ip) = spec.ip.parse::<std::net::IpAddr>() else { return Ok(()) };
+        let taken = crate::hold::marks::take_back(&s.client, ns, name, &spec.pod.uid, ip)
+            .await
+            .map_err(|source| ReleaseError::Mark { pod: format!("{ns}/{name}"), source })?;
+        if let Some(claim) = status.claim.as_mut() {
+            claim.fell_back_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(Timestamp::now()));
+        }
+        s.writes.status(rec, &status).await?;
+        let until = rec.claim().map(|c| c.until.0.to_string()).unwrap_or_default();
+        warn!(record = %rec.name_any(), pod = %format!("{ns}/{name}"), ip = %spec.ip, took_back = taken.is_some(), "sticky: the Pod did not come up with its old address in time; it gets a new one, the old one stays held");
+        if let Some(uid) = taken {
+            s.metrics.release.sticky_fallbacks.with_label_values(&[&spec.policy]).inc();
+            let note = format!(
+                "capo handed {} back to this Pod but it did not come up with it by {until}: removed cni.projectcalico.org/ipAddrs so Calico assigns a new address; {} stays held for the rest of its time",
+                spec.ip, spec.ip
+            );
+            let pod = crate::events::pod_ref(ns, name, &uid);
+            s.events.publish(&pod, EventType::Warning, "StickyFellBack", "FallBack", note).await;
+        }
         Ok(())
     }
 
