@@ -201,6 +201,21 @@ async fn an_address_another_handle_owns_falls_back_to_a_new_one_and_stays_held()
     let list = format!("[\"{x}\"]");
     driver_ok(&kc, &["assign", "--host", &node, "--handle", &handle, "--ip", &list], &[]).await;
 
+    // A dry run of the Pod's creation claims nothing (invariant 5).
+    let owner = sts.get("etcd").await.unwrap();
+    let dry: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "etcd-0", "ownerReferences": [{ "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "name": "etcd", "uid": owner.uid().unwrap(), "controller": true }] },
+        "spec": { "containers": [{ "name": "app", "image": "registry.invalid/app:1" }] },
+    }))
+    .unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let answered = pods.create(&PostParams { dry_run: true, ..Default::default() }, &dry).await.unwrap();
+    assert_eq!(annotation(&answered, CALICO_IP_ADDRS_ANNOTATION), None, "nothing handed back to a dry run");
+    assert!(record(&client, x).await.is_some_and(|r| r.claim().is_none()), "no claim written by a dry run");
+    let dry_runs = "capo_admission_requests_total{operation=\"create\",outcome=\"dry_run\"}";
+    assert_eq!(metric_value(&capo, dry_runs), Some(1.0), "capo saw the dry run");
+
     sts.patch("etcd", &PatchParams::default(), &Patch::Merge(scale(1))).await.unwrap();
     let new = recreated(&client, &ns.name, "etcd-0", &old.uid().unwrap()).await;
     let y = pod_ips(&new)[0];
@@ -209,7 +224,8 @@ async fn an_address_another_handle_owns_falls_back_to_a_new_one_and_stays_held()
     assert_eq!(annotation(&new, STICKY_CLAIM_ANNOTATION), None);
     let rec = record(&client, x).await.expect("the old address stays held");
     let claim = rec.claim().expect("the claim is kept");
-    assert!(claim.fell_back_at.is_some(), "noted as fallen back: {claim:?}");
+    let fell = claim.fell_back_at.as_ref().expect("noted as fallen back").0;
+    assert!(fell >= claim.until.0, "no sooner than fallbackAfter after the claim: {claim:?}");
     let note = wait_event(&client, &ns.name, "etcd-0", "StickyFellBack").await;
     assert!(note.contains(&x.to_string()) && note.contains("stays held"), "{note}");
     let fallbacks = format!("capo_sticky_fallbacks_total{{policy=\"{policy}\"}}");
@@ -280,5 +296,37 @@ async fn no_address_goes_back_from_a_node_selector_pool_or_off_a_node_that_is_go
     let _ = Api::<StatefulSet>::namespaced(client.clone(), &ns.name).delete("pooled", &DeleteParams::default()).await;
     let _ = Api::<Pod>::namespaced(client.clone(), &ns.name).delete("pooled-0", &DeleteParams::default()).await;
     let _ = pools.delete(POOL, &DeleteParams::default()).await;
+    capo.shutdown().await;
+}
+
+/// A hold kept from an earlier review of the same Pod (an eviction a PodDisruptionBudget
+/// refused after capo held) becomes `forced` when the Pod is then force-deleted: its
+/// address is not handed back, although the hold itself is the first review's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_force_deletion_after_a_refused_eviction_marks_the_kept_hold_forced() {
+    let (client, ns, capo, policy, node) = scene("sticky-kept", json!({ "enabled": true })).await;
+    let old = start_statefulset(&client, &ns.name, "zk", &node, json!({})).await;
+    let x = pod_ips(&old)[0];
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": { "name": "zk" },
+        "spec": { "maxUnavailable": 0, "selector": { "matchLabels": { "app": "zk" } } },
+    }))
+    .unwrap();
+    Api::namespaced(client.clone(), &ns.name).create(&PostParams::default(), &pdb).await.unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let refused = pods.evict("zk-0", &Default::default()).await;
+    assert!(matches!(&refused, Err(kube::Error::Api(s)) if s.code == 429), "the PDB refuses: {refused:?}");
+    let first = record(&client, x).await.expect("held on the refused eviction");
+    assert!(!first.spec.forced);
+
+    let force = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    pods.delete("zk-0", &force).await.unwrap();
+    let rec = record(&client, x).await.expect("still held");
+    assert_eq!(rec.metadata.uid, first.metadata.uid, "the first hold is kept");
+    assert!(rec.spec.forced, "and now says the deletion was forced");
+    let new = recreated(&client, &ns.name, "zk-0", &old.uid().unwrap()).await;
+    assert_ne!(pod_ips(&new)[0], x, "not handed back");
+    let passed = format!("capo_sticky_claims_total{{outcome=\"forced_deletion\",policy=\"{policy}\"}}");
+    assert_eq!(wait_metric(&capo, &passed, 1.0).await, 1.0);
     capo.shutdown().await;
 }

@@ -438,7 +438,10 @@ impl Admission {
             warnings.push(format!("capo: dry run; would hold {} in {}", ips(&pod), to.join(", ")));
             return Ok((Some(kind), "dry_run", allow(resp, warnings)));
         }
-        Ok(self.hold(kind, &pod, plan, resp, deadline, req.forced).await)
+        // Grace 0 matters only for a Pod placed on a node: the API server deletes a Pod no
+        // node ever ran at once, with grace 0, and no container of it can hold the address.
+        let forced = req.forced && pod.node.is_some();
+        Ok(self.hold(kind, &pod, plan, resp, deadline, forced).await)
     }
 
     /// The Pod a DELETE review names, as the cluster has it: the body is a claim. Confirmed

@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use capo_api::keys::{
     CALICO_IP_ADDRS_ANNOTATION, HOLD_ANNOTATION, OWNER_UID_LABEL, STICKY_ANNOTATION, STICKY_CLAIM_ANNOTATION,
@@ -21,7 +21,7 @@ use capo_api::keys::{
 use capo_api::{HoldTrigger, ReservedIP, StickyClaim};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::core::admission::AdmissionResponse;
@@ -31,6 +31,8 @@ use tracing::{debug, info, warn};
 use super::handler::{Admission, within};
 use super::respond::allow;
 use super::review::ReviewRequest;
+use crate::calico::entry::pointer_escape;
+use crate::release::decide::plus;
 
 /// How often a claim is tried against a record the leader keeps writing.
 const CLAIM_ATTEMPTS: usize = 3;
@@ -105,15 +107,6 @@ pub(crate) fn ip_addrs_value(ips: &[IpAddr]) -> String {
     serde_json::to_string(&ips.iter().map(ToString::to_string).collect::<Vec<_>>()).expect("strings")
 }
 
-/// A JSON-pointer segment for an annotation key.
-fn pointer(key: &str) -> String {
-    key.replace('~', "~0").replace('/', "~1")
-}
-
-fn plus(t: Timestamp, d: Duration) -> Timestamp {
-    t.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX)).unwrap_or(Timestamp::MAX)
-}
-
 impl Admission {
     /// Reviews a Pod CREATE: `Err` only for a request that is not a well-formed review.
     pub(super) async fn sticky(
@@ -146,7 +139,7 @@ impl Admission {
                     ops.push(json!({ "op": "add", "path": "/metadata/annotations", "value": {} }));
                 }
                 for key in [CALICO_IP_ADDRS_ANNOTATION, STICKY_CLAIM_ANNOTATION] {
-                    ops.push(json!({ "op": "add", "path": format!("/metadata/annotations/{}", pointer(key)), "value": list }));
+                    ops.push(json!({ "op": "add", "path": format!("/metadata/annotations/{}", pointer_escape(key)), "value": list }));
                 }
                 let patch: json_patch::Patch = serde_json::from_value(json!(ops)).expect("patch shape");
                 let warning = format!("capo: {list} handed back to {namespace}/{name} (sticky IPs, policy {policy})");
@@ -352,6 +345,5 @@ mod tests {
     fn ip_addrs_lists_ipv4_first_as_json() {
         let ips: Vec<IpAddr> = vec!["fd00::5".parse().unwrap(), "10.0.0.5".parse().unwrap()];
         assert_eq!(ip_addrs_value(&ips), r#"["10.0.0.5","fd00::5"]"#);
-        assert_eq!(pointer(CALICO_IP_ADDRS_ANNOTATION), "cni.projectcalico.org~1ipAddrs");
     }
 }

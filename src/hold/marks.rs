@@ -62,7 +62,7 @@ pub async fn take_back(
     if uid == held_uid || claim != named || !names_ip {
         return Ok(None);
     }
-    let path = |key: &str| format!("/metadata/annotations/{}", key.replace('~', "~0").replace('/', "~1"));
+    let path = |key: &str| format!("/metadata/annotations/{}", crate::calico::entry::pointer_escape(key));
     let patch: json_patch::Patch = serde_json::from_value(json!([
         { "op": "test", "path": "/metadata/uid", "value": uid },
         { "op": "test", "path": path(STICKY_CLAIM_ANNOTATION), "value": claim },

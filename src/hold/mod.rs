@@ -183,7 +183,11 @@ impl HoldWriter {
         req: &HoldRequest<'_>,
         ip: IpAddr,
     ) -> Result<Held, (Vec<HoldError>, Option<(IpAddr, String)>)> {
-        if let Some(held) = self.recheck(req, ip).await {
+        // A forced deletion goes to the record even after a recent hold of the Pod: the
+        // hold must come to say so (see `Records::record`).
+        if !req.forced
+            && let Some(held) = self.recheck(req, ip).await
+        {
             return Ok(held);
         }
         let cidr = entry::canonical(ip);

@@ -137,6 +137,11 @@ impl Records {
                 continue; // released meanwhile; create again
             };
             if existing.spec.pod.uid == fresh.spec.pod.uid {
+                // The first hold stays; a later forced deletion of the same Pod (after an
+                // eviction a PodDisruptionBudget refused) still says so on it.
+                if fresh.spec.forced && !existing.spec.forced {
+                    self.mark_forced(&existing).await?;
+                }
                 return Ok(RecordOutcome::Kept { uid: existing.metadata.uid.unwrap_or_default() });
             }
             // Another Pod's, and that Pod still has the IP: a review for this Pod must not
@@ -162,6 +167,23 @@ impl Records {
             }
         }
         Err(RecordError::Contention)
+    }
+
+    /// Sets `spec.forced` on exactly that record (its uid tested): its address is never
+    /// handed back (sticky IPs).
+    async fn mark_forced(&self, existing: &ReservedIP) -> Result<(), RecordError> {
+        let patch: json_patch::Patch = serde_json::from_value(json!([
+            { "op": "test", "path": "/metadata/uid", "value": existing.metadata.uid },
+            { "op": "add", "path": "/spec/forced", "value": true },
+        ]))
+        .expect("static patch shape");
+        let name = existing.metadata.name.clone().unwrap_or_default();
+        match self.api.patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => Ok(()),
+            // Gone, or another record since: nothing of this hold left to mark.
+            Err(KubeError::Api(s)) if s.code == 404 || s.code == 422 => Ok(()),
+            Err(e) => Err(classify(e)),
+        }
     }
 
     /// The record of `ip`, read now.

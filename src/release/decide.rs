@@ -179,7 +179,8 @@ pub struct Decision {
     pub action: Action,
 }
 
-fn plus(t: Timestamp, d: Duration) -> Timestamp {
+/// `t + d`, saturating (a duration past the year 9999 never falls due).
+pub fn plus(t: Timestamp, d: Duration) -> Timestamp {
     t.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX)).unwrap_or(Timestamp::MAX)
 }
 
