@@ -77,7 +77,7 @@ test-latest: controlplane argocd real-node tools ## Run every test on the defaul
 	CAPO_IMAGE="$$(CAPO_BIN=target/debug/capo bash hack/build-image.sh | tail -n1)" bash hack/test-try.sh
 
 .PHONY: test-try
-test-try: controlplane argocd real-node tools ## Run make try-helm, make try-argocd and make try-real-node as a newcomer would (each on its own control plane, torn down after)
+test-try: controlplane argocd real-node tools ## Run make try-helm, make try-argocd, make try-real-node and make try-sticky as a newcomer would (each on its own control plane, torn down after)
 	CAPO_IMAGE="$$(CAPO_IMAGE_PROFILE=dev bash hack/build-image.sh | tail -n1)" bash hack/test-try.sh
 
 .PHONY: test-compat
@@ -125,6 +125,10 @@ try-helm: controlplane ## Install capo from the Helm chart onto the local contro
 .PHONY: try-real-node
 try-real-node: controlplane real-node tools ## capo's own image on the real node: installed by its chart (two replicas), a StatefulSet Pod deleted, its IP held before Calico's CNI DEL
 	bash hack/try-real-node.sh
+
+.PHONY: try-sticky
+try-sticky: controlplane real-node tools ## try-real-node with a sticky policy: redis-0 deleted and recreated on the real node gets its old address back
+	bash hack/try-real-node.sh sticky
 
 .PHONY: image
 image: ## Build capo's image (release) without a container engine: an OCI archive (ctr/podman/docker load); prints its path

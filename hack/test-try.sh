@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the install paths a newcomer is told to try — `make try-helm` and `make try-argocd`
-# (hack/try-install.sh) and `make try-real-node` (hack/try-real-node.sh) — each on a
-# control plane of its own in a temporary state directory, torn down afterwards, so that a
-# broken install path fails `make test`.
+# (hack/try-install.sh), `make try-real-node` and `make try-sticky` (hack/try-real-node.sh)
+# — each on a control plane of its own in a temporary state directory, torn down
+# afterwards, so that a broken install path fails `make test`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 passed=0 failed=0
@@ -47,6 +47,7 @@ real_node() {
 try try-helm bash hack/try-install.sh chart
 try try-argocd bash hack/try-install.sh argocd
 try try-real-node real_node
+try try-sticky bash hack/try-real-node.sh sticky
 
 echo "try-installs: $passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -5,13 +5,17 @@
 # kubectl; its address held before the kubelet stops it and Calico's CNI DEL frees it, and
 # the recreated Pod given another by Calico's CNI ADD.
 #
-#   bash hack/try-real-node.sh      (make try-real-node)
+#   bash hack/try-real-node.sh          (make try-real-node)
+#   bash hack/try-real-node.sh sticky   (make try-sticky: the policy opts in to sticky
+#                                        IPs, and the recreated Pod gets its address back)
 #
 # CAPO_IMAGE: an archive of capo's image to use (default: hack/build-image.sh with
 # CAPO_IMAGE_PROFILE=dev, quick after a debug build; `make image` builds the release one).
 # The control plane and capo stay up afterwards (make testenv-down removes them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode="${1:-hold}"
+[[ "$mode" == hold || "$mode" == sticky ]] || { echo "usage: $0 [hold|sticky]" >&2; exit 2; }
 state="${TESTENV_DIR:-.testenv}"
 [[ "$state" == /* ]] || state="$(pwd)/$state"
 
@@ -47,6 +51,12 @@ show_ca_bundle
 say "A CapoPolicy selecting StatefulSet Pods in namespaces labelled ip-reserve=enabled"
 run kubectl apply --server-side -f config/samples/statefulsets.yaml
 kubectl wait --for=condition=Ready capopolicy/statefulsets --timeout=60s >/dev/null
+if [[ "$mode" == sticky ]]; then
+  say "Opt the policy in to sticky IPs: a recreated StatefulSet Pod gets its held address back"
+  run kubectl patch capopolicy statefulsets --type merge -p '{"spec":{"sticky":{"enabled":true,"fallbackAfter":"90s"}}}'
+  kubectl wait --for=condition=Ready capopolicy/statefulsets --timeout=60s >/dev/null
+  run kubectl get mutatingwebhookconfiguration capo
+fi
 run kubectl get capopolicies
 
 say "A StatefulSet on the real node (a TCP listener standing in for Redis)"
@@ -98,9 +108,27 @@ for _ in $(seq 180); do
 done
 [[ -n "$new_ip" ]] || { echo "the recreated redis-0 did not become Ready"; exit 1; }
 echo "Calico's CNI plugin (its log, $state/real-node/cni/calico.log):"
-grep -E "Releasing address using handleID|IPAM assigned addresses" "$state/real-node/cni/calico.log" | cut -c1-160 || true
-echo "the recreated redis-0 has $new_ip; $old_ip stays held until it is due:"
-[[ "$new_ip" != "$old_ip" ]] || { echo "redis-0 got its old address $old_ip back"; exit 1; }
-run kubectl get reservedips
+grep -E "Releasing address using handleID|IPAM assigned addresses|Calico CNI IPAM request IP" \
+  "$state/real-node/cni/calico.log" | cut -c1-160 || true
+if [[ "$mode" == hold ]]; then
+  echo "the recreated redis-0 has $new_ip; $old_ip stays held until it is due:"
+  [[ "$new_ip" != "$old_ip" ]] || { echo "redis-0 got its old address $old_ip back"; exit 1; }
+  run kubectl get reservedips
+else
+  echo "the recreated redis-0 has $new_ip, its old address: capo named it in the Pod's annotations"
+  [[ "$new_ip" == "$old_ip" ]] || { echo "redis-0 got $new_ip, not its old address $old_ip"; exit 1; }
+  run kubectl -n redis get pod redis-0 -o jsonpath='{.metadata.annotations}{"\n"}'
+  echo "the hold ends once the Pod shows its address (reason sticky):"
+  for _ in $(seq 60); do
+    kubectl get reservedips -o jsonpath='{range .items[*]}{.spec.ip}{"\n"}{end}' | grep -qFx "$old_ip" || break
+    sleep 0.5
+  done
+  if kubectl get reservedips -o jsonpath='{range .items[*]}{.spec.ip}{"\n"}{end}' | grep -qFx "$old_ip"; then
+    echo "the hold of $old_ip did not end"; kubectl get reservedips; exit 1
+  fi
+  run kubectl get reservedips
+  echo "capo's logs say so:"
+  kubectl -n capo-system logs -l app.kubernetes.io/name=capo --tail=200 2>/dev/null | grep -i sticky | cut -c1-200 || true
+fi
 
 say "Done. capo keeps running on the real node; make testenv-down stops it all."

@@ -15,7 +15,7 @@ use tracing::info;
 use crate::admission::{Admission, AdmissionSettings};
 use crate::calico::etcd::{Etcd, EtcdConfig, EtcdError};
 use crate::calico::pools::{PoolStore, detect_ipam_api};
-use crate::calico::{Datastore, Detected, ReservationIndex, Reservations, detect_calico_api};
+use crate::calico::{Datastore, Detected, ReservationIndex, Reservations, ShardView, detect_calico_api};
 use crate::certs::managed::{Injected, ManagedError, ManagedSettings};
 use crate::certs::{self, CertError, ServingCert};
 use crate::health::{self, Readiness};
@@ -172,10 +172,18 @@ impl App {
             tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
         ]);
         watch_reservations(&client, &calico, &watched, &index, &mut tasks);
-        // The epoch a new leader takes is above every epoch on capo's reservations.
+        // The epoch a new leader takes is above every epoch on capo's reservations (of the
+        // policies it acts on: with a test's policy prefix, other capos' shards on the same
+        // cluster carry epochs of other Leases).
         let floor: crate::leader::EpochFloor = {
             let index = index.clone();
-            Arc::new(move || index.all().values().filter_map(|(_, v)| v.epoch).max().unwrap_or(0))
+            let prefix = settings.release.as_ref().and_then(|r| r.engine.policy_prefix.clone());
+            Arc::new(move || {
+                let ours = |v: &ShardView| {
+                    prefix.as_deref().is_none_or(|p| v.policy.as_deref().is_some_and(|n| n.starts_with(p)))
+                };
+                index.all().values().filter(|(_, v)| ours(v)).filter_map(|(_, v)| v.epoch).max().unwrap_or(0)
+            })
         };
         let (election, fence) = elect(&settings, &leader_client, &index, &watched, floor.clone()).await?;
         // A shard the webhook creates starts with the newest epoch this replica knows, so

@@ -189,8 +189,8 @@ pub struct ReleaseMetrics {
     pub safety_net_holds: IntCounterVec,
     /// Pods the safety net saw too late: their IP was already another Pod's.
     pub safety_net_lost_races: IntCounterVec,
-    /// Handed-back addresses the leader took back from a recreated Pod that did not come
-    /// up with them within `fallbackAfter`, by policy.
+    /// Claims that ran out: handed-back addresses no Pod came up with within
+    /// `fallbackAfter` (taken back from the Pod, if there is one), by policy.
     pub sticky_fallbacks: IntCounterVec,
     /// Pods the safety net remembers having dealt with (at most the Pods that exist).
     pub safety_net_remembered: prometheus::IntGauge,
@@ -337,7 +337,7 @@ impl ReleaseMetrics {
             safety_net_holds: counter("safety_net_holds_total", "Holds written by the safety net.", &["policy"]),
             sticky_fallbacks: counter(
                 "sticky_fallbacks_total",
-                "Handed-back addresses taken back from a recreated Pod that did not come up with them in time.",
+                "Claims that ran out: handed-back addresses no Pod came up with in time (taken back from the Pod, if there is one).",
                 &["policy"],
             ),
             safety_net_lost_races: counter(

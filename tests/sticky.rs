@@ -177,8 +177,18 @@ async fn without_sticky_a_recreated_pod_gets_a_new_address() {
     assert_ne!(pod_ips(&new)[0], x);
     assert_eq!(annotation(&new, CALICO_IP_ADDRS_ANNOTATION), None);
     assert!(record(&client, x).await.is_some_and(|r| r.claim().is_none()), "held as before, unclaimed");
-    let passed = format!("capo_sticky_claims_total{{outcome=\"policy_not_sticky\",policy=\"{policy}\"}}");
-    assert_eq!(wait_metric(&capo, &passed, 1.0).await, 1.0);
+    // Both CREATEs (the first and the recreation) answered from memory: no sticky policy
+    // selects the Pod (or none exists at all, when no other test of this binary runs).
+    let outcome = |o: &str| format!("capo_sticky_claims_total{{outcome=\"{o}\",policy=\"\"}}");
+    let passed = eventually("the CREATE answered from memory", Duration::from_secs(10), || async {
+        let n = metric_value(&capo, &outcome("not_selected")).unwrap_or(0.0)
+            + metric_value(&capo, &outcome("no_sticky_policy")).unwrap_or(0.0);
+        (n >= 2.0).then_some(n)
+    })
+    .await;
+    assert_eq!(passed, 2.0);
+    let read = format!("capo_sticky_claims_total{{outcome=\"policy_not_sticky\",policy=\"{policy}\"}}");
+    assert_eq!(metric_value(&capo, &read), None, "no read of the holds");
     capo.shutdown().await;
 }
 
@@ -328,5 +338,332 @@ async fn a_force_deletion_after_a_refused_eviction_marks_the_kept_hold_forced() 
     assert_ne!(pod_ips(&new)[0], x, "not handed back");
     let passed = format!("capo_sticky_claims_total{{outcome=\"forced_deletion\",policy=\"{policy}\"}}");
     assert_eq!(wait_metric(&capo, &passed, 1.0).await, 1.0);
+    capo.shutdown().await;
+}
+
+/// A Pod CREATE review of `namespace/name`, a Pod of the StatefulSet `owner` (by uid), as
+/// anybody who can reach capo's port could write one.
+fn create_review(namespace: &str, name: &str, owner: &str) -> axum::http::Request<axum::body::Body> {
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": name, "namespace": namespace, "operation": "CREATE", "userInfo": {"username": "mallory"},
+            "object": {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": { "name": name, "namespace": namespace, "ownerReferences": [{
+                    "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "kv", "uid": owner, "controller": true }] },
+                "spec": { "containers": [{ "name": "app", "image": "registry.invalid/app:1" }] },
+            },
+        }
+    });
+    axum::http::Request::post(format!("{}?timeout=10s", capo::admission::STICKY_PATH))
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(serde_json::to_vec(&review).unwrap()))
+        .unwrap()
+}
+
+/// capo's admission (no webhook registration, caches never synced) over the given
+/// policies, with `client` for its reads and writes; the answer to `req`, and the metrics.
+async fn review_directly(
+    client: &Client,
+    policies: &[serde_json::Value],
+    pods: &[capo::pod::PodFacts],
+    req: axum::http::Request<axum::body::Body>,
+) -> (serde_json::Value, String) {
+    use std::sync::Arc;
+    use tower::ServiceExt;
+    let compiled = policies.iter().map(|p| {
+        let policy: capo_api::CapoPolicy = serde_json::from_value(p.clone()).unwrap();
+        capo::policy::CompiledPolicy::compile(&policy).unwrap()
+    });
+    let admission = capo::admission::Admission::standalone(
+        client.clone(),
+        Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new(compiled))),
+        capo_api::CalicoApiGroup::CrdV1,
+        capo::admission::AdmissionSettings {
+            excluded_namespaces: vec!["kube-system".into()],
+            max_review_time: Duration::from_secs(10),
+            limits: Default::default(),
+        },
+    );
+    for pod in pods {
+        admission.pods.put(pod.clone());
+    }
+    let metrics = admission.metrics.clone();
+    let router = capo::admission::router(Arc::new(admission));
+    let resp = router.oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+    (serde_json::from_slice(&body).unwrap(), metrics.render())
+}
+
+fn policy_object(name: &str, sticky: bool) -> serde_json::Value {
+    json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": name },
+        "spec": { "podSelector": {}, "reserveFor": "1h", "sticky": { "enabled": sticky } },
+    })
+}
+
+/// Part 2, DESIGN §6 (reads on the admission path): with no sticky policy anywhere, or
+/// none that selects the Pod, a StatefulSet Pod CREATE (which reaches capo wherever the
+/// webhook is installed) is answered without a read — here against an address nothing
+/// listens on, where a read fails and says so (`unreadable`, as the review under a
+/// sticky policy that selects it shows).
+#[tokio::test]
+async fn without_a_sticky_policy_a_pod_create_is_answered_without_a_read() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let nowhere = kube::Client::try_from(kube::Config::new("https://127.0.0.1:9".parse().unwrap())).unwrap();
+    let (answer, m) =
+        review_directly(&nowhere, &[policy_object("plain", false)], &[], create_review("shop", "kv-0", "sts-uid"))
+            .await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert!(answer["response"]["patch"].is_null(), "{answer}");
+    assert!(m.contains("capo_sticky_claims_total{outcome=\"no_sticky_policy\",policy=\"\"} 1"), "{m}");
+
+    // A sticky policy that selects other Pods: answered from memory too.
+    let mut redis = policy_object("redis", true);
+    redis["spec"]["podSelector"] = json!({ "matchLabels": { "app": "redis" } });
+    let (answer, m) = review_directly(&nowhere, &[redis], &[], create_review("shop", "kv-0", "sts-uid")).await;
+    assert!(answer["response"]["patch"].is_null(), "{answer}");
+    assert!(m.contains("capo_sticky_claims_total{outcome=\"not_selected\",policy=\"\"} 1"), "{m}");
+
+    let (answer, m) =
+        review_directly(&nowhere, &[policy_object("kv", true)], &[], create_review("shop", "kv-0", "sts-uid")).await;
+    assert_eq!(answer["response"]["allowed"], true, "never refused, even when capo cannot read: {answer}");
+    assert!(answer["response"]["patch"].is_null(), "{answer}");
+    assert!(m.contains("capo_sticky_claims_total{outcome=\"unreadable\",policy=\"\"} 1"), "{m}");
+}
+
+/// Part 2, a CREATE that cannot be the Pod's: while capo's cache shows a live Pod of that
+/// name (another than the held one), a CREATE review of the name claims nothing — the
+/// API server would refuse that CREATE, or the review is forged; either way a claim would
+/// keep the hold from its release and end in a fallback the real Pod would inherit. The
+/// same review without that Pod claims (the guard, not the review, made the difference).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_for_a_name_a_live_pod_has_claims_nothing() {
+    let (client, ns, capo, policy, node) = scene("sticky-taken", json!({ "enabled": true })).await;
+    let old = start_statefulset(&client, &ns.name, "kv", &node, json!({})).await;
+    let x = pod_ips(&old)[0];
+    scale_to_zero(&client, &ns.name, "kv", x).await;
+    let owner = old.owner_references()[0].uid.clone();
+    let sticky_policy = policy_object(&policy, true);
+
+    let live = capo::pod::PodFacts {
+        namespace: ns.name.clone(),
+        name: "kv-0".into(),
+        uid: "a-live-pod".into(),
+        labels: Default::default(),
+        annotations: Default::default(),
+        controller: None,
+        node: Some(node.clone()),
+        host_network: false,
+        ips: vec![],
+        phase: Some("Running".into()),
+        deleting: false,
+    };
+    let (answer, m) = review_directly(
+        &client,
+        std::slice::from_ref(&sticky_policy),
+        &[live],
+        create_review(&ns.name, "kv-0", &owner),
+    )
+    .await;
+    assert!(answer["response"]["patch"].is_null(), "nothing handed back: {answer}");
+    assert!(m.contains(&format!("capo_sticky_claims_total{{outcome=\"name_taken\",policy=\"{policy}\"}} 1")), "{m}");
+    assert!(record(&client, x).await.is_some_and(|r| r.claim().is_none()), "{x} held, unclaimed");
+
+    let (answer, m) =
+        review_directly(&client, std::slice::from_ref(&sticky_policy), &[], create_review(&ns.name, "kv-0", &owner))
+            .await;
+    assert!(!answer["response"]["patch"].is_null(), "without the live Pod the same review claims: {answer}");
+    assert!(m.contains(&format!("capo_sticky_claims_total{{outcome=\"claimed\",policy=\"{policy}\"}} 1")), "{m}");
+    assert!(record(&client, x).await.is_some_and(|r| r.claim().is_some()), "{x} claimed");
+    capo.shutdown().await;
+}
+
+/// Part 2, the node check with the node still there: the old Pod's node is present but
+/// not Ready (kwok no longer keeps it, its Ready condition False — a partitioned node,
+/// whose kubelet may still run the old Pod with the address). The Pod created again names
+/// no address, the hold stays unclaimed, and the outcome says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_address_goes_back_off_a_node_that_is_there_but_not_ready() {
+    let (client, ns, capo, policy, node) = scene("sticky-notready", json!({ "enabled": true })).await;
+    let old = start_statefulset(&client, &ns.name, "ha", &node, json!({})).await;
+    let y = pod_ips(&old)[0];
+    scale_to_zero(&client, &ns.name, "ha", y).await;
+
+    let nodes = Api::<Node>::all(client.clone());
+    let unmanaged = json!({ "metadata": { "annotations": { capo_testenv::KWOK_NODE_ANNOTATION: null } } });
+    nodes.patch(&node, &PatchParams::default(), &Patch::Merge(unmanaged)).await.unwrap();
+    let not_ready = json!({ "status": { "conditions": [{
+        "type": "Ready", "status": "False", "reason": "KubeletNotReady", "message": "partitioned (test)",
+        "lastHeartbeatTime": k8s_openapi::jiff::Timestamp::now().to_string(), "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string() }] } });
+    nodes.patch_status(&node, &PatchParams::default(), &Patch::Strategic(not_ready)).await.unwrap();
+    let ready = |n: &Node| {
+        n.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready").cloned())
+    };
+    eventually(&format!("{node} not Ready"), Duration::from_secs(10), || async {
+        nodes.get(&node).await.ok().and_then(|n| ready(&n)).filter(|c| c.status != "True").map(|_| ())
+    })
+    .await;
+
+    Api::<StatefulSet>::namespaced(client.clone(), &ns.name)
+        .patch("ha", &PatchParams::default(), &Patch::Merge(json!({ "spec": { "replicas": 1 } })))
+        .await
+        .unwrap();
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns.name);
+    let old_uid = old.uid().unwrap();
+    let new = eventually("ha-0 created again", Duration::from_secs(30), || async {
+        pods.get_opt("ha-0").await.ok()?.filter(|p| p.uid().as_deref() != Some(old_uid.as_str()))
+    })
+    .await;
+    assert_eq!(annotation(&new, CALICO_IP_ADDRS_ANNOTATION), None, "no address named");
+    let outcome = format!("capo_sticky_claims_total{{outcome=\"node_not_ready\",policy=\"{policy}\"}}");
+    assert_eq!(wait_metric(&capo, &outcome, 1.0).await, 1.0);
+    assert!(record(&client, y).await.is_some_and(|r| r.claim().is_none()), "{y} held, unclaimed");
+    assert!(
+        nodes.get(&node).await.ok().and_then(|n| ready(&n)).is_some_and(|c| c.status != "True"),
+        "the node was still not Ready when capo looked"
+    );
+
+    let _ = Api::<StatefulSet>::namespaced(client.clone(), &ns.name).delete("ha", &DeleteParams::default()).await;
+    let _ = pods.delete("ha-0", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await;
+    let _ = nodes.delete(&node, &DeleteParams::default()).await;
+    capo.shutdown().await;
+}
+
+/// Point 4, `strictAffinity: true` (Calico's IPAMConfig; cluster-wide, so on a control
+/// plane of its own): capo hands back regardless (it does not read the setting). On the
+/// old node the Pod gets its address back (the block is that node's); on another node
+/// Calico's own `AssignIP` refuses it ("Block host affinity does not match", in the
+/// driver's log), and past `fallbackAfter` the Pod gets a new address from its node's
+/// block while the old one stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_strict_affinity_the_address_comes_back_only_on_its_nodes_block() {
+    let plane = support::plane::private_plane("sticky-strict", false);
+    let client = plane.client().await;
+    install_capo_crds(&client).await;
+    install_calico_crds(&client).await;
+    let ipam_config = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("crd.projectcalico.org", "v1", "IPAMConfig"),
+        "ipamconfigs",
+    );
+    let config: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "crd.projectcalico.org/v1", "kind": "IPAMConfig", "metadata": { "name": "default" },
+        "spec": { "strictAffinity": true, "autoAllocateBlocks": true },
+    }))
+    .unwrap();
+    Api::<DynamicObject>::all_with(client.clone(), &ipam_config)
+        .patch("default", &PatchParams::apply("capo-test").force(), &Patch::Apply(config))
+        .await
+        .expect("strictAffinity on");
+    let ns = TestNamespace::create(&client, "sticky-strict").await;
+    let (a, b) = ("strict-a".to_string(), "strict-b".to_string());
+    kwok_node(&client, &a).await;
+    kwok_node(&client, &b).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("canary", &[], &[]), &[Ips::v4()]).await;
+    let settings = leading_settings(&ns.name, "a", Duration::from_secs(600));
+    let capo = start_capo_on(&client, &ns.name, "canary", settings).await;
+    wait_leader(&capo).await;
+    let policy = format!("{}-p", ns.name);
+    let sticky = json!({ "enabled": true, "fallbackAfter": "5s" });
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {}, "reserveFor": "1h", "sticky": sticky })).await;
+
+    // The same node: back.
+    let old = start_statefulset(&client, &ns.name, "pinned", &a, json!({})).await;
+    let x = pod_ips(&old)[0];
+    delete_pod(&client, &ns.name, "pinned-0").await.unwrap();
+    let new = recreated(&client, &ns.name, "pinned-0", &old.uid().unwrap()).await;
+    assert_eq!(pod_ips(&new), vec![x], "on its node's block the address comes back under strict affinity");
+
+    // Another node: Calico refuses it; the Pod falls back to an address of its own node.
+    let old = start_statefulset(&client, &ns.name, "roaming", &a, json!({})).await;
+    let y = pod_ips(&old)[0];
+    scale_to_zero(&client, &ns.name, "roaming", y).await;
+    let patch = json!({ "spec": { "replicas": 1, "template": { "spec": {
+        "nodeSelector": { "kubernetes.io/hostname": b } } } } });
+    Api::<StatefulSet>::namespaced(client.clone(), &ns.name)
+        .patch("roaming", &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .unwrap();
+    let new = recreated(&client, &ns.name, "roaming-0", &old.uid().unwrap()).await;
+    let z = pod_ips(&new)[0];
+    assert_ne!(z, y, "Calico refused {y} on {b} (strict affinity); after the fallback the Pod got {z}");
+    assert_eq!(annotation(&new, CALICO_IP_ADDRS_ANNOTATION), None, "capo took its addresses back");
+    let rec = record(&client, y).await.expect("the old address stays held");
+    assert!(rec.claim().and_then(|c| c.fell_back_at.clone()).is_some(), "the claim fell back: {:?}", rec.status);
+    let log = std::fs::read_to_string(plane.state_dir.join(format!("{}.log", capo_testenv::CALICO_IPAM))).unwrap();
+    assert!(
+        log.lines().any(|l| l.contains("roaming-0") && l.contains("Block host affinity does not match")),
+        "Calico's AssignIP refused {y} for its block's affinity"
+    );
+    let fallbacks = format!("capo_sticky_fallbacks_total{{policy=\"{policy}\"}}");
+    assert_eq!(wait_metric(&capo, &fallbacks, 1.0).await, 1.0);
+    capo.shutdown().await;
+    drop(plane);
+}
+
+/// Point 3 and invariant 4 for a claimed hold: while a claim is pending its hold outlives
+/// its TTL (3 s here), and its entry, lost meanwhile (a hand edit), is written back — not
+/// dropped with the record. When the claim runs out (no Pod ever came up with the address)
+/// it falls back, and only then is the hold, long past due, released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_claim_outlives_its_ttl_and_gets_a_lost_entry_written_back() {
+    let (client, ns, capo, policy, node) = scene("sticky-pending", json!({ "enabled": true })).await;
+    let sticky = json!({ "enabled": true, "fallbackAfter": "20s" });
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {}, "reserveFor": "3s", "sticky": sticky })).await;
+    let old = start_statefulset(&client, &ns.name, "kv", &node, json!({})).await;
+    let x = pod_ips(&old)[0];
+    scale_to_zero(&client, &ns.name, "kv", x).await;
+    let owner = old.owner_references()[0].uid.clone();
+    let sticky_policy = json!({
+        "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": policy },
+        "spec": { "podSelector": {}, "reserveFor": "3s", "sticky": sticky },
+    });
+    let (answer, _) = review_directly(&client, &[sticky_policy], &[], create_review(&ns.name, "kv-0", &owner)).await;
+    assert!(!answer["response"]["patch"].is_null(), "claimed: {answer}");
+    let rec = record(&client, x).await.expect("held");
+    let until = rec.claim().expect("claimed").until.0;
+
+    // Past its TTL, the hold stays while the claim is pending.
+    let due = rec.status.as_ref().and_then(|s| s.release_at.clone()).expect("counting down").0;
+    let past_due = due + k8s_openapi::jiff::SignedDuration::from_secs(2);
+    eventually("two seconds past due", Duration::from_secs(10), || async {
+        (k8s_openapi::jiff::Timestamp::now() > past_due).then_some(())
+    })
+    .await;
+    let rec = record(&client, x).await.expect("still held past its TTL: the claim keeps it");
+    assert!(entries(&client, &policy).await.contains(&cidr(x)), "its entry too");
+    assert!(k8s_openapi::jiff::Timestamp::now() < until, "the claim was still pending");
+
+    // The entry is lost while the claim is pending: written back.
+    let shards = Api::<DynamicObject>::all_with(client.clone(), &V1.ip_reservation());
+    let shard = shards.get(&rec.spec.reservation).await.unwrap();
+    let rest: Vec<String> = shard.data["spec"]["reservedCIDRs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c.as_str().map(String::from))
+        .filter(|c| *c != cidr(x))
+        .collect();
+    let patch =
+        json!({ "metadata": { "resourceVersion": shard.resource_version() }, "spec": { "reservedCIDRs": rest } });
+    shards.patch(&rec.spec.reservation, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+    let back = eventually("the lost entry written back", Duration::from_secs(20), || async {
+        entries(&client, &policy).await.contains(&cidr(x)).then(k8s_openapi::jiff::Timestamp::now)
+    })
+    .await;
+    assert!(back < until, "written back while the claim was pending (until {until})");
+
+    // No Pod shows the address: at `until` the claim falls back; then the hold, past due, goes.
+    let released = wait_released(&client, x, Duration::from_secs(40)).await;
+    assert!(released >= until, "released at {released}, before the claim ran out at {until}");
+    let fallbacks = format!("capo_sticky_fallbacks_total{{policy=\"{policy}\"}}");
+    assert_eq!(wait_metric(&capo, &fallbacks, 1.0).await, 1.0);
     capo.shutdown().await;
 }

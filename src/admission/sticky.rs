@@ -32,6 +32,7 @@ use super::handler::{Admission, within};
 use super::respond::allow;
 use super::review::ReviewRequest;
 use crate::calico::entry::pointer_escape;
+use crate::pod::PodFacts;
 use crate::release::decide::plus;
 
 /// How often a claim is tried against a record the leader keeps writing.
@@ -57,6 +58,13 @@ pub(super) enum Passed {
     OptedOut,
     AddressesNamed,
     HostNetwork,
+    /// No policy has `sticky.enabled`: answered without reading anything.
+    NoStickyPolicy,
+    /// No sticky policy selects the Pod (its labels, namespace, workload, opt-in).
+    NotSelected,
+    /// A Pod of that name (another than the held one) is in the cache: this CREATE cannot
+    /// succeed (or the review is forged), and a claim would only strand the hold.
+    NameTaken,
     NothingHeld,
     PolicyNotSticky,
     SafetyNet,
@@ -77,6 +85,9 @@ impl Passed {
             Self::OptedOut => "opted_out",
             Self::AddressesNamed => "addresses_named",
             Self::HostNetwork => "host_network",
+            Self::NoStickyPolicy => "no_sticky_policy",
+            Self::NotSelected => "not_selected",
+            Self::NameTaken => "name_taken",
             Self::NothingHeld => "nothing_held",
             Self::PolicyNotSticky => "policy_not_sticky",
             Self::SafetyNet => "safety_net_hold",
@@ -175,6 +186,20 @@ impl Admission {
         if pod.spec.as_ref().and_then(|s| s.host_network) == Some(true) {
             return Err((None, Passed::HostNetwork, None));
         }
+        // Most clusters have no sticky policy, and most StatefulSets no sticky policy
+        // selects: the API server still calls (the webhook is installed), and capo answers
+        // from memory, without a read (DESIGN §6).
+        let matcher = self.matcher.load();
+        if !matcher.policies().iter().any(|p| p.sticky.is_some()) {
+            return Err((None, Passed::NoStickyPolicy, None));
+        }
+        let facts = PodFacts::from_pod(pod);
+        let facts = PodFacts { namespace: namespace.to_string(), name: name.to_string(), ..facts };
+        let ns_labels = self.namespaces.get(namespace).map(|n| n.labels.clone());
+        if !matcher.sticky_may_select(&facts, ns_labels.as_ref()) {
+            return Err((None, Passed::NotSelected, None));
+        }
+        drop(matcher);
         let records = match self.held_for(namespace, name, &owner, deadline).await {
             Ok(r) if r.is_empty() => return Err((None, Passed::NothingHeld, None)),
             Ok(r) => r,
@@ -186,6 +211,12 @@ impl Admission {
         };
         let policy = records[0].spec.policy.clone();
         let passed = |p: Passed| Err((Some(policy.clone()), p, None));
+        // The Pod the holds were made for is gone before its StatefulSet creates it again;
+        // a live Pod of that name means the API server will refuse this CREATE (a retry
+        // that lost a race) or nobody is creating one (a forged review).
+        if self.pods.get(namespace, name).is_some_and(|p| p.uid != records[0].spec.pod.uid) {
+            return passed(Passed::NameTaken);
+        }
         let Some(fallback_after) = self.matcher.load().get(&policy).and_then(|p| p.sticky) else {
             return passed(Passed::PolicyNotSticky);
         };

@@ -116,6 +116,23 @@ impl Matcher {
         Decision::Hold(HoldPlan { policy: policy.clone(), reserve_for, warnings })
     }
 
+    /// Whether a policy with sticky IPs may select `pod` (created, so without addresses):
+    /// through its selectors, or an opt-in by annotation. `namespace_labels` `None` (not
+    /// cached): any namespace. A superset of [`Self::decide`]'s choice, for the sticky
+    /// webhook to answer at once, without a read, for a Pod no sticky policy holds.
+    pub fn sticky_may_select(&self, pod: &PodFacts, namespace_labels: Option<&BTreeMap<String, String>>) -> bool {
+        let named = pod.annotations.get(POLICY_ANNOTATION);
+        let opt_in = pod.annotations.get(HOLD_ANNOTATION).is_some_and(|v| v == "true");
+        self.policies.iter().filter(|p| p.sticky.is_some()).any(|p| {
+            let ns_ok = namespace_labels.is_none_or(|l| p.namespace_selector.as_ref().is_none_or(|s| s.matches(l)));
+            let by_opt_in = p.allow_opt_in && (named == Some(&p.name) || (opt_in && named.is_none()));
+            ns_ok
+                && (by_opt_in
+                    || (p.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
+                        && p.workloads.as_ref().is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))))
+        })
+    }
+
     fn choose(
         &self,
         pod: &PodFacts,
@@ -231,6 +248,59 @@ mod tests {
         match d {
             Decision::Hold(p) => Some(&p.policy.name),
             Decision::Skip(_) => None,
+        }
+    }
+
+    /// The sticky webhook's in-memory pre-filter never says no where `decide` would hold
+    /// the Pod under a sticky policy, and says no where no sticky policy could.
+    #[test]
+    fn sticky_may_select_covers_every_way_a_sticky_policy_selects() {
+        let sticky = json!({ "enabled": true });
+        let m = Matcher::new([
+            compiled("plain", json!({ "podSelector": {} })),
+            compiled(
+                "redis",
+                json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "sticky": sticky,
+                "namespaceSelector": { "matchLabels": { "team": "a" } } }),
+            ),
+            compiled(
+                "web",
+                json!({ "workloads": [{ "kind": "StatefulSet", "namespace": "shop", "name": "web" }],
+                "sticky": sticky }),
+            ),
+            compiled(
+                "opt",
+                json!({ "podSelector": { "matchLabels": { "never": "x" } }, "podOverrides": { "allowOptIn": true },
+                "sticky": sticky }),
+            ),
+        ]);
+        let team_a = labels(&[("team", "a")]);
+        let team_b = labels(&[("team", "b")]);
+        let of_zk = |labels: serde_json::Value| {
+            let mut p = pod(labels, json!({}));
+            p.controller.as_mut().unwrap().name = "zk".into();
+            p
+        };
+        let redis = of_zk(json!({"app": "redis"}));
+        assert!(m.sticky_may_select(&redis, Some(&team_a)));
+        assert!(!m.sticky_may_select(&redis, Some(&team_b)), "`redis` covers team a only");
+        assert!(m.sticky_may_select(&redis, None), "namespace not cached: any namespace");
+        // `web` selects by workload (this Pod's StatefulSet is `web`).
+        assert!(m.sticky_may_select(&pod(json!({"app": "kafka"}), json!({})), Some(&team_b)));
+        let other = of_zk(json!({"app": "kafka"}));
+        assert!(!m.sticky_may_select(&other, Some(&team_b)), "only `plain` (not sticky) selects it");
+        // Opt-in by annotation, by name or by capo.io/hold.
+        let mut named = other.clone();
+        named.annotations.insert(POLICY_ANNOTATION.into(), "opt".into());
+        assert!(m.sticky_may_select(&named, Some(&team_b)));
+        let mut opted = other.clone();
+        opted.annotations.insert(HOLD_ANNOTATION.into(), "true".into());
+        assert!(m.sticky_may_select(&opted, Some(&team_b)));
+        // Whatever decide picks, if it is a sticky policy the pre-filter said yes.
+        for (p, ns) in [(&redis, &team_a), (&named, &team_b), (&opted, &team_b), (&other, &team_b)] {
+            if let Decision::Hold(plan) = m.decide(p, &ctx(ns)) {
+                assert!(plan.policy.sticky.is_none() || m.sticky_may_select(p, Some(ns)), "{}", plan.policy.name);
+            }
         }
     }
 

@@ -204,8 +204,10 @@ impl RecordWork {
         s.writes.status(rec, &status).await?;
         let until = rec.claim().map(|c| c.until.0.to_string()).unwrap_or_default();
         warn!(record = %rec.name_any(), pod = %format!("{ns}/{name}"), ip = %spec.ip, took_back = taken.is_some(), "sticky: the Pod did not come up with its old address in time; it gets a new one, the old one stays held");
+        // Counted whether or not a Pod of that name is there to take the addresses from
+        // (the StatefulSet scaled down meanwhile, or a CREATE the API server then refused).
+        s.metrics.release.sticky_fallbacks.with_label_values(&[&spec.policy]).inc();
         if let Some(uid) = taken {
-            s.metrics.release.sticky_fallbacks.with_label_values(&[&spec.policy]).inc();
             let note = format!(
                 "capo handed {} back to this Pod but it did not come up with it by {until}: removed cni.projectcalico.org/ipAddrs so Calico assigns a new address; {} stays held for the rest of its time",
                 spec.ip, spec.ip
