@@ -78,29 +78,10 @@ fn direct_router(
     client: &Client,
     policy: &capo_api::CapoPolicy,
 ) -> (axum::Router, std::sync::Arc<capo::metrics::Metrics>) {
-    use std::sync::Arc;
-    let compiled = capo::policy::CompiledPolicy::compile(policy).unwrap();
-    let admission = capo::admission::Admission::standalone(
-        client.clone(),
-        Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new([compiled]))),
-        capo_api::CalicoApiGroup::CrdV1,
-        capo::admission::AdmissionSettings {
-            excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
-            max_review_time: Duration::from_secs(10),
-            limits: Default::default(),
-        },
-    );
+    let (name, spec) = (policy.name_any(), serde_json::to_value(&policy.spec).unwrap());
+    let admission = standalone_admission(client, [(name.as_str(), spec)], Duration::from_secs(10));
     let metrics = admission.metrics.clone();
-    let admission = Arc::new(admission);
-    (capo::admission::router(admission), metrics)
-}
-
-async fn send(router: &axum::Router, req: axum::http::Request<axum::body::Body>) -> serde_json::Value {
-    use tower::ServiceExt;
-    let resp = router.clone().oneshot(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
-    serde_json::from_slice(&body).unwrap()
+    (capo::admission::router(std::sync::Arc::new(admission)), metrics)
 }
 
 fn delete_review(namespace: &str, name: &str, ip: std::net::IpAddr) -> axum::http::Request<axum::body::Body> {
@@ -115,24 +96,13 @@ fn delete_review_of(
     ips: &[std::net::IpAddr],
 ) -> axum::http::Request<axum::body::Body> {
     let pod_ips: Vec<_> = ips.iter().map(|ip| json!({ "ip": ip.to_string() })).collect();
-    let review = json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": name, "namespace": namespace, "operation": "DELETE", "userInfo": {"username": "alice"},
-            "oldObject": {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": { "name": name, "namespace": namespace, "uid": uid },
-                "spec": { "containers": [] },
-                "status": { "podIP": ips.first().map(|ip| ip.to_string()), "podIPs": pod_ips },
-            },
-        }
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "namespace": namespace, "uid": uid },
+        "spec": { "containers": [] },
+        "status": { "podIP": ips.first().map(|ip| ip.to_string()), "podIPs": pod_ips },
     });
-    axum::http::Request::post(format!("{}?timeout=10s", capo::admission::REVIEW_PATH))
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(serde_json::to_vec(&review).unwrap()))
-        .unwrap()
+    pod_review_post(capo::admission::REVIEW_PATH, "DELETE", namespace, name, "alice", pod)
 }
 
 /// kube-system and capo's own namespace are never held: the webhook configuration keeps
@@ -166,7 +136,7 @@ async fn kube_system_and_capos_own_namespace_are_never_held() {
     let (router, metrics) = direct_router(&client, &policy);
     for namespace in ["kube-system", "capo-system"] {
         let ip = Ips::v4();
-        let answer = send(&router, delete_review(namespace, "coredns-0", ip)).await;
+        let answer = send_review(&router, delete_review(namespace, "coredns-0", ip)).await;
         assert_eq!(answer["response"]["allowed"], true, "{answer}");
         assert!(record(&client, ip).await.is_none(), "{namespace}: nothing held");
     }
@@ -192,7 +162,7 @@ async fn a_namespace_missing_from_the_cache_is_read_not_guessed() {
     let ip = Ips::v4();
     let pod = create_pod_with_ips(&client, &labelled.name, unscheduled_pod("db-0", &[], &[]), &[ip]).await;
     let req = delete_review_of(&labelled.name, "db-0", &pod.uid().unwrap(), &[ip]);
-    let answer = send(&router, req).await;
+    let answer = send_review(&router, req).await;
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
     assert!(record(&client, ip).await.is_some(), "held: the namespace's labels select the Pod");
     let m = metrics.render();
@@ -225,7 +195,7 @@ async fn a_forged_review_holds_nothing_the_cluster_does_not_confirm() {
         ("a Pod that does not exist", delete_review_of(&ns.name, "forged-0", "f0rged", &[nobody])),
         ("the real Pod under another uid", delete_review_of(&ns.name, "redis-0", "not-its-uid", &[other_uid])),
     ] {
-        let answer = send(&router, req).await;
+        let answer = send_review(&router, req).await;
         assert_eq!(answer["response"]["allowed"], true, "{what}: {answer}");
         assert!(answer["response"]["warnings"].is_null(), "{what}: nothing said to be held: {answer}");
     }
@@ -238,7 +208,7 @@ async fn a_forged_review_holds_nothing_the_cluster_does_not_confirm() {
     assert!(m.contains("capo_admission_requests_total{operation=\"delete\",outcome=\"unconfirmed\"} 2"), "{m}");
 
     // The real Pod, with its uid, but a body listing other addresses: the Pod's own is held.
-    let answer = send(&router, delete_review_of(&ns.name, "redis-0", &uid, &[other_ip, extra_v6])).await;
+    let answer = send_review(&router, delete_review_of(&ns.name, "redis-0", &uid, &[other_ip, extra_v6])).await;
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
     assert!(answer.to_string().contains(&real_ip.to_string()), "the Pod's own address held: {answer}");
     let rec = record(&client, real_ip).await.expect("the Pod's own address held");

@@ -105,23 +105,8 @@ fn fixture() -> &'static Fixture {
                 ("fuzz-everything", json!({ "namespaceSelector": { "matchLabels": { "fuzz": "selected" } },
                     "podSelector": {}, "onHoldFailure": "Allow", "priority": -1 })),
             ]
-            .map(|(name, spec)| {
-                let p: capo_api::CapoPolicy = serde_json::from_value(json!({
-                    "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": name }, "spec": spec,
-                }))
-                .unwrap();
-                capo::policy::CompiledPolicy::compile(&p).unwrap()
-            });
-            let admission = capo::admission::Admission::standalone(
-                client.clone(),
-                Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new(policies))),
-                capo_api::CalicoApiGroup::CrdV1,
-                capo::admission::AdmissionSettings {
-                    excluded_namespaces: vec!["kube-system".into()],
-                    max_review_time: Duration::from_secs(5),
-                    limits: Default::default(),
-                },
-            );
+            ;
+            let admission = support::standalone_admission(&client, policies, Duration::from_secs(5));
             for (name, labels, terminating) in [
                 (SELECTED_NS, vec![("fuzz", "selected")], false),
                 (OTHER_NS, vec![], false),

@@ -344,24 +344,13 @@ async fn a_force_deletion_after_a_refused_eviction_marks_the_kept_hold_forced() 
 /// A Pod CREATE review of `namespace/name`, a Pod of the StatefulSet `owner` (by uid), as
 /// anybody who can reach capo's port could write one.
 fn create_review(namespace: &str, name: &str, owner: &str) -> axum::http::Request<axum::body::Body> {
-    let review = json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": name, "namespace": namespace, "operation": "CREATE", "userInfo": {"username": "mallory"},
-            "object": {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": { "name": name, "namespace": namespace, "ownerReferences": [{
-                    "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "kv", "uid": owner, "controller": true }] },
-                "spec": { "containers": [{ "name": "app", "image": "registry.invalid/app:1" }] },
-            },
-        }
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "namespace": namespace, "ownerReferences": [{
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "kv", "uid": owner, "controller": true }] },
+        "spec": { "containers": [{ "name": "app", "image": "registry.invalid/app:1" }] },
     });
-    axum::http::Request::post(format!("{}?timeout=10s", capo::admission::STICKY_PATH))
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(serde_json::to_vec(&review).unwrap()))
-        .unwrap()
+    pod_review_post(capo::admission::STICKY_PATH, "CREATE", namespace, name, "mallory", pod)
 }
 
 /// capo's admission (no webhook registration, caches never synced) over the given
@@ -372,31 +361,16 @@ async fn review_directly(
     pods: &[capo::pod::PodFacts],
     req: axum::http::Request<axum::body::Body>,
 ) -> (serde_json::Value, String) {
-    use std::sync::Arc;
-    use tower::ServiceExt;
-    let compiled = policies.iter().map(|p| {
-        let policy: capo_api::CapoPolicy = serde_json::from_value(p.clone()).unwrap();
-        capo::policy::CompiledPolicy::compile(&policy).unwrap()
-    });
-    let admission = capo::admission::Admission::standalone(
-        client.clone(),
-        Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new(compiled))),
-        capo_api::CalicoApiGroup::CrdV1,
-        capo::admission::AdmissionSettings {
-            excluded_namespaces: vec!["kube-system".into()],
-            max_review_time: Duration::from_secs(10),
-            limits: Default::default(),
-        },
-    );
+    let named: Vec<(String, serde_json::Value)> =
+        policies.iter().map(|p| (p["metadata"]["name"].as_str().unwrap().to_string(), p["spec"].clone())).collect();
+    let admission =
+        standalone_admission(client, named.iter().map(|(n, s)| (n.as_str(), s.clone())), Duration::from_secs(10));
     for pod in pods {
         admission.pods.put(pod.clone());
     }
     let metrics = admission.metrics.clone();
-    let router = capo::admission::router(Arc::new(admission));
-    let resp = router.oneshot(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
-    (serde_json::from_slice(&body).unwrap(), metrics.render())
+    let router = capo::admission::router(std::sync::Arc::new(admission));
+    (send_review(&router, req).await, metrics.render())
 }
 
 fn policy_object(name: &str, sticky: bool) -> serde_json::Value {

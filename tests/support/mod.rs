@@ -632,3 +632,64 @@ pub async fn remove_policy(client: &Client, name: &str) {
     Api::<ValidatingAdmissionPolicyBinding>::all(client.clone()).delete(name, &Default::default()).await.unwrap();
     Api::<ValidatingAdmissionPolicy>::all(client.clone()).delete(name, &Default::default()).await.unwrap();
 }
+
+/// capo's admission called directly (no webhook registration; caches that never synced,
+/// for the test to fill) over the policies given by name and spec, with `client` for its
+/// reads and writes; kube-system excluded.
+pub fn standalone_admission<'a>(
+    client: &Client,
+    policies: impl IntoIterator<Item = (&'a str, serde_json::Value)>,
+    max_review_time: Duration,
+) -> capo::admission::Admission {
+    let compiled = policies.into_iter().map(|(name, spec)| {
+        let policy: CapoPolicy = serde_json::from_value(json!({
+            "apiVersion": "capo.io/v1alpha1", "kind": "CapoPolicy", "metadata": { "name": name }, "spec": spec,
+        }))
+        .unwrap();
+        capo::policy::CompiledPolicy::compile(&policy).unwrap()
+    });
+    capo::admission::Admission::standalone(
+        client.clone(),
+        std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(capo::policy::Matcher::new(compiled))),
+        CalicoApiGroup::CrdV1,
+        capo::admission::AdmissionSettings {
+            excluded_namespaces: vec!["kube-system".into(), "capo-system".into()],
+            max_review_time,
+            limits: Default::default(),
+        },
+    )
+}
+
+/// An AdmissionReview of the Pod `namespace/name`: `operation` by `user`, with `pod` as
+/// its `object` (CREATE) or `oldObject` (DELETE), posted to capo's `path` as anybody who
+/// can reach capo's port could post it.
+pub fn pod_review_post(
+    path: &str,
+    operation: &str,
+    namespace: &str,
+    name: &str,
+    user: &str,
+    pod: serde_json::Value,
+) -> axum::http::Request<axum::body::Body> {
+    let field = if operation == "CREATE" { "object" } else { "oldObject" };
+    let request = json!({
+        "uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "name": name, "namespace": namespace, "operation": operation, "userInfo": {"username": user},
+        field: pod,
+    });
+    let review = json!({ "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request });
+    axum::http::Request::post(format!("{path}?timeout=10s"))
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(serde_json::to_vec(&review).unwrap()))
+        .unwrap()
+}
+
+/// Sends `req` to capo's `router` and returns the AdmissionReview it answers (200).
+pub async fn send_review(router: &axum::Router, req: axum::http::Request<axum::body::Body>) -> serde_json::Value {
+    use tower::ServiceExt;
+    let resp = router.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+    serde_json::from_slice(&body).unwrap()
+}
