@@ -57,3 +57,13 @@ pub async fn infer_pair(nodelay: bool, identity: &str) -> Result<(Client, Client
     leader.default_retry = false;
     Ok((client(config, nodelay)?, client(leader, nodelay)?))
 }
+
+/// Whether `e` is a transport failure rather than an answer: the connection could not be
+/// made, or closed before the API server answered (a pooled connection the server was
+/// closing, a server under a storm shedding connections). kube's retry layer retries
+/// answers (429/503/504), not these. A hold's writes are safe to send again after one —
+/// the append is a set (a duplicate is refused and dropped) and a record of the same Pod
+/// is kept — so they retry it themselves.
+pub fn is_transport(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Service(_) | kube::Error::HyperError(_))
+}

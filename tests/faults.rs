@@ -80,6 +80,21 @@ async fn under_faults_nothing_is_allowed_unheld_answers_come_in_time_and_holds_r
         eprintln!("{what}: answered in {took:?}");
     }
     assert!(proxy.injected() >= 7, "every case hit its fault");
+    // A connection dropped once (a server under a storm closing connections; the CI run of
+    // 44b7d94 denied 3 of 2,000 deletions for it) is sent again: the deletion is held, not
+    // denied.
+    let dropped_before = proxy.injected();
+    proxy.set(vec![
+        Rule::new(Method::PATCH, reservations, Fault::Drop).times(1),
+        Rule::new(Method::POST, records, Fault::Drop).times(1),
+    ]);
+    let ip = Ips::v4();
+    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("dropped-once", &[], &[]), &[ip]).await;
+    delete_pod(&admin, &ns.name, "dropped-once").await.expect("a connection dropped once is retried, not denied");
+    assert_eq!(proxy.injected() - dropped_before, 2, "both writes lost their first connection");
+    let entries = reservation(&admin, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.unwrap();
+    assert!(entries.contains(&format!("{ip}/32")), "held after the retried append");
+    assert!(record(&admin, ip).await.is_some(), "recorded after the retried create");
     // The faults stop: holds succeed again, no restart.
     proxy.clear();
     let ip = Ips::v4();

@@ -436,7 +436,16 @@ impl Reservations {
                 Ok(written) => return Ok(ShardView::from_object(&written).entries),
                 Err(e) => e,
             };
-            let Some(status) = status_of(&err) else { return Err(CalicoError::Api(Arc::new(err))) };
+            let Some(status) = status_of(&err) else {
+                // A connection closed before the answer: send again (a duplicate entry the
+                // first attempt wrote is refused with 422 and dropped below).
+                if crate::client::is_transport(&err) && attempt + 1 < ATTEMPTS {
+                    debug!(reservation = name, attempt, error = %err, "retrying reservation append after a transport error");
+                    tokio::time::sleep(Duration::from_millis(10 * (1 << attempt.min(6)))).await;
+                    continue;
+                }
+                return Err(CalicoError::Api(Arc::new(err)));
+            };
             match status.code {
                 404 if !is_type_not_served(status) => {
                     if self.create(group, name, policy, fence, &cidrs).await? {

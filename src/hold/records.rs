@@ -67,6 +67,12 @@ fn classify(e: KubeError) -> RecordError {
     }
 }
 
+/// A short pause before sending a request again after a transport failure (10, 20, 40 ms…):
+/// the hold's answer waits on it, and the API server's deadline bounds the whole.
+async fn transport_pause(attempt: usize) {
+    tokio::time::sleep(std::time::Duration::from_millis(10 << attempt.min(4))).await;
+}
+
 /// Whether `v` can be a label value (a uid always can; anything else is left out).
 fn is_label_value(v: &str) -> bool {
     v.len() <= 63
@@ -121,7 +127,7 @@ impl Records {
             status: None,
         };
         let mut previous_pod = None;
-        for _ in 0..ATTEMPTS {
+        for attempt in 0..ATTEMPTS {
             match self.api.create(&PostParams::default(), &fresh).await {
                 Ok(created) => {
                     let uid = created.metadata.uid.unwrap_or_default();
@@ -131,9 +137,23 @@ impl Records {
                     });
                 }
                 Err(KubeError::Api(s)) if s.code == 409 => {}
+                // Sent again: if the first one landed, the 409 below finds this Pod's
+                // record and keeps it.
+                Err(e) if crate::client::is_transport(&e) && attempt + 1 < ATTEMPTS => {
+                    transport_pause(attempt).await;
+                    continue;
+                }
                 Err(e) => return Err(classify(e)),
             }
-            let Some(existing) = self.api.get_opt(&name).await.map_err(classify)? else {
+            let existing = match self.api.get_opt(&name).await {
+                Ok(existing) => existing,
+                Err(e) if crate::client::is_transport(&e) && attempt + 1 < ATTEMPTS => {
+                    transport_pause(attempt).await;
+                    continue;
+                }
+                Err(e) => return Err(classify(e)),
+            };
+            let Some(existing) = existing else {
                 continue; // released meanwhile; create again
             };
             if existing.spec.pod.uid == fresh.spec.pod.uid {
