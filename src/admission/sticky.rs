@@ -199,6 +199,8 @@ impl Admission {
         if !matcher.sticky_may_select(&facts, ns_labels.as_ref()) {
             return Err((None, Passed::NotSelected, None));
         }
+        // Not held across the read below (a guard pins the policy set it loaded); the
+        // holds' policy is looked up afterwards in the set as it is then.
         drop(matcher);
         let records = match self.held_for(namespace, name, &owner, deadline).await {
             Ok(r) if r.is_empty() => return Err((None, Passed::NothingHeld, None)),

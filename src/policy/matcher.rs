@@ -124,12 +124,8 @@ impl Matcher {
         let named = pod.annotations.get(POLICY_ANNOTATION);
         let opt_in = pod.annotations.get(HOLD_ANNOTATION).is_some_and(|v| v == "true");
         self.policies.iter().filter(|p| p.sticky.is_some()).any(|p| {
-            let ns_ok = namespace_labels.is_none_or(|l| p.namespace_selector.as_ref().is_none_or(|s| s.matches(l)));
             let by_opt_in = p.allow_opt_in && (named == Some(&p.name) || (opt_in && named.is_none()));
-            ns_ok
-                && (by_opt_in
-                    || (p.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
-                        && p.workloads.as_ref().is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))))
+            namespace_labels.is_none_or(|l| covers(p, l)) && (by_opt_in || selects(p, pod))
         })
     }
 
@@ -140,7 +136,7 @@ impl Matcher {
         opt_in: bool,
         warnings: &mut Vec<String>,
     ) -> Option<&Arc<CompiledPolicy>> {
-        let ns_ok = |p: &CompiledPolicy| p.namespace_selector.as_ref().is_none_or(|s| s.matches(ctx.namespace_labels));
+        let ns_ok = |p: &CompiledPolicy| covers(p, ctx.namespace_labels);
         if let Some(name) = pod.annotations.get(POLICY_ANNOTATION) {
             match self.get(name) {
                 Some(p) if p.allow_opt_in && ns_ok(p) => return Some(p),
@@ -153,12 +149,22 @@ impl Matcher {
         } else if opt_in && let Some(p) = self.policies.iter().find(|p| p.allow_opt_in && ns_ok(p)) {
             return Some(p);
         }
-        self.policies.iter().find(|p| {
-            ns_ok(p)
-                && p.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
-                && p.workloads.as_ref().is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))
-        })
+        self.policies.iter().find(|p| ns_ok(p) && selects(p, pod))
     }
+}
+
+/// Whether `policy`'s namespace selector takes a namespace with these labels. With
+/// [`selects`], the one place a policy's selectors are read ([`Matcher::decide`]'s choice
+/// and the sticky pre-filter both ask here).
+fn covers(policy: &CompiledPolicy, namespace_labels: &BTreeMap<String, String>) -> bool {
+    policy.namespace_selector.as_ref().is_none_or(|s| s.matches(namespace_labels))
+}
+
+/// Whether `policy` selects `pod` by its own selectors: labels and workloads (not by an
+/// opt-in annotation, not by namespace).
+fn selects(policy: &CompiledPolicy, pod: &PodFacts) -> bool {
+    policy.pod_selector.as_ref().is_none_or(|s| s.matches(&pod.labels))
+        && policy.workloads.as_ref().is_none_or(|ws| ws.iter().any(|w| controlled_by(pod, w)))
 }
 
 /// Whether `pod`'s controller is the workload `w` (a Deployment through its ReplicaSet,
