@@ -63,7 +63,33 @@ pub async fn infer_pair(nodelay: bool, identity: &str) -> Result<(Client, Client
 /// closing, a server under a storm shedding connections). kube's retry layer retries
 /// answers (429/503/504), not these. A hold's writes are safe to send again after one —
 /// the append is a set (a duplicate is refused and dropped) and a record of the same Pod
-/// is kept — so they retry it themselves.
+/// is kept — so they retry it themselves. Only the HTTP client's own failures count: an
+/// error of Calico's etcd datastore (also a `Service` error) is not sent again here (its
+/// client reconnects on its own, and a hold against an etcd that does not answer must
+/// say so within the review's deadline, not spend it retrying).
 pub fn is_transport(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Service(_) | kube::Error::HyperError(_))
+    match e {
+        kube::Error::HyperError(_) => true,
+        kube::Error::Service(inner) => inner.downcast_ref::<hyper_util::client::legacy::Error>().is_some(),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The HTTP client's own failure (here: nothing listens) is a transport error; another
+    /// service error (Calico's etcd datastore reports its errors so) and an answer are not.
+    #[tokio::test]
+    async fn only_the_http_clients_own_failures_are_transport_errors() {
+        let http: hyper_util::client::legacy::Client<HttpConnector, http_body_util::Empty<bytes::Bytes>> =
+            hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let refused = http.get("http://127.0.0.1:1/".parse().unwrap()).await.expect_err("nothing listens");
+        assert!(is_transport(&kube::Error::Service(Box::new(refused))));
+        let etcd_like = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "etcd: connection refused");
+        assert!(!is_transport(&kube::Error::Service(Box::new(etcd_like))));
+        let answer = kube::core::Status::failure("conflict", "Conflict").with_code(409);
+        assert!(!is_transport(&kube::Error::Api(Box::new(answer))));
+    }
 }
