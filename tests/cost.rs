@@ -42,7 +42,7 @@ fn kind(method: &axum::http::Method, path: &str) -> Option<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_held_deletion_costs_an_append_a_record_its_countdown_and_a_read_only_when_reviewed_again() {
+async fn a_held_deletion_costs_an_append_a_record_and_its_countdown_and_no_read_when_reviewed_again() {
     const PODS: usize = 60;
     let (client, ns) = setup("cost").await;
     let proxy = FaultProxy::start(client.clone()).await;
@@ -95,7 +95,9 @@ async fn a_held_deletion_costs_an_append_a_record_its_countdown_and_a_read_only_
     };
     assert_eq!(count(&holds), PODS as f64, "every deletion held once");
     // kube-apiserver reviews the DELETE of a Pod on no node twice (the graceful update,
-    // then the deletion of the changed object): the second review confirms the hold.
+    // then the deletion of the changed object): the second review is answered from the
+    // API server's answer to the append a moment ago, with no read (the leader leaves a
+    // new entry alone longer than that: `calico::index::YOUNG_ENTRY`).
     let reviews = count("capo_admission_requests_total{operation=\"delete\",outcome=\"held\"}") as usize;
     let mut per: BTreeMap<String, usize> = BTreeMap::new();
     for (method, path) in proxy.requests() {
@@ -110,14 +112,20 @@ async fn a_held_deletion_costs_an_append_a_record_its_countdown_and_a_read_only_
         total as f64 / PODS as f64
     );
     // Today's shape (issue 27 is to cut it): per hold at most one append (shared in a
-    // burst), one record create, one status write (the countdown), and one read of the
-    // shard for each review of a hold made a moment ago; one shard created.
+    // burst), one record create, one status write (the countdown); one shard created. A
+    // read confirms a repeated review only when it comes more than 5 s after the append
+    // (a slow API server): at most a fifth of them here (before: one read for each).
     assert!(of("PATCH ipreservations") <= PODS, "{per:?}");
     assert_eq!(of("POST reservedips"), PODS, "{per:?}");
     assert!(of("PATCH reservedips/status") <= PODS, "{per:?}");
     assert!(of("POST ipreservations") <= 1, "one shard: {per:?}");
     let reads: usize = per.iter().filter(|(k, _)| k.starts_with("GET ")).map(|(_, v)| v).sum();
-    assert!(reads <= reviews - PODS, "a read only to confirm a repeated review ({} of them): {per:?}", reviews - PODS);
+    assert!(reviews > PODS, "the API server reviewed some deletions twice ({reviews} reviews): nothing to show here");
+    assert!(
+        reads * 5 <= reviews - PODS,
+        "{reads} reads for {} repeated reviews: they are answered from the append: {per:?}",
+        reviews - PODS
+    );
     let expected = [
         "PATCH ipreservations",
         "POST reservedips",

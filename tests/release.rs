@@ -119,6 +119,44 @@ async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() 
     assert_eq!(metric_value(&capo, &format!("capo_max_reserved{{policy=\"{policy}\"}}")), Some(2.0));
 }
 
+/// A repeated review of a deletion is answered from the append a moment ago, with no read
+/// (`hold::ANSWERED_FROM_ACK`, 5 s): so the leader leaves an entry whose Pod may still be
+/// reviewed alone until `calico::index::YOUNG_ENTRY` (6 s) after its watch first showed it,
+/// even when the cap chooses it at once. (A Pod that has left is released at once: the cap
+/// test above, at most 2.5 s above the cap.)
+#[tokio::test]
+async fn the_cap_leaves_a_new_entry_of_a_pod_still_there_alone_until_a_repeated_review_could_no_longer_rely_on_it() {
+    let Scene { client, ns, capo, policy } = scene(
+        "rel-young",
+        Duration::from_secs(600),
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h", "maxReserved": 1, "releaseInterval": "1s" }),
+    )
+    .await;
+    // Deleted, it stays (a finalizer and a node): its kubelet's deletion is still to come.
+    let staying = selected_pod(&client, &ns.name, "redis-0", true).await;
+    let leaving = selected_pod(&client, &ns.name, "redis-1", false).await;
+    let sent = Instant::now();
+    delete_pod(&client, &ns.name, "redis-0").await.expect("deletion allowed");
+    delete_pod(&client, &ns.name, "redis-1").await.expect("deletion allowed");
+    // Two holds under maxReserved 1: the older (redis-0's) goes, but not before 6 s after
+    // its append was sent (its commit, and the leader's first sight, came later still).
+    let entry = cidr(staying);
+    let removed = eventually("redis-0's entry removed by the cap", Duration::from_secs(30), || {
+        let client = client.clone();
+        let (policy, entry) = (policy.clone(), entry.clone());
+        async move { (!entries(&client, &policy).await.contains(&entry)).then(Instant::now) }
+    })
+    .await;
+    let after = removed.duration_since(sent);
+    assert!(after >= Duration::from_secs(6), "removed {after:?} after its append was sent");
+    assert!(after < Duration::from_secs(20), "removed only {after:?} after its append was sent");
+    wait_released(&client, staying, Duration::from_secs(15)).await;
+    assert!(record(&client, leaving).await.is_some(), "the newer hold stays");
+    let cap = format!("capo_releases_total{{policy=\"{policy}\",reason=\"cap\"}}");
+    assert_eq!(wait_metric(&capo, &cap, 1.0).await, 1.0);
+    let_go(&client, &ns.name, "redis-0").await;
+}
+
 /// Holds at a human pace get an `IPHeld` Event each, on their Pod. A burst (a drain, a
 /// failed node) gets them for the first ten of a policy within 10 s, then one `IPsHeld`
 /// Event on the policy that counts the rest: one API write instead of one per hold.

@@ -11,8 +11,9 @@
 //! it back (its labels and annotations merged with those in that annotation), so capo
 //! still knows it as its own, and [`ShardView::moved`] says its labels need putting back.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use capo_api::CalicoApiGroup;
 use capo_api::calico::RESERVED_CIDRS;
@@ -35,6 +36,14 @@ pub type ShardKey = (CalicoApiGroup, String);
 /// Kubernetes datastore): one JSON `ObjectMeta` in this annotation of the stored
 /// `crd.projectcalico.org/v1` object.
 pub const CALICO_METADATA_ANNOTATION: &str = "projectcalico.org/metadata";
+
+/// How long after this replica first saw an entry in a shard the leader leaves it there
+/// (a release or repair of it waits out the rest). A repeated review of a deletion this
+/// replica held less than [`crate::hold`]'s `ANSWERED_FROM_ACK` ago is answered from the
+/// append's acknowledgement, with no read: this is what makes that answer still true.
+/// The entry's write was sent before it was committed, and no watch shows it before its
+/// commit, so its removal comes at least this long after the append was sent.
+pub const YOUNG_ENTRY: Duration = Duration::from_secs(6);
 
 /// What [`CALICO_METADATA_ANNOTATION`] holds that capo reads.
 #[derive(Default, serde::Deserialize)]
@@ -134,6 +143,11 @@ struct Inner {
     shards: HashMap<ShardKey, Arc<ShardView>>,
     /// entry → the shards that list it (normally one).
     by_entry: HashMap<String, Vec<ShardKey>>,
+    /// Entries first seen less than [`YOUNG_ENTRY`] ago, by shard, with when (the newest
+    /// sight of each; an entry listed again after a fresh list counts as seen then).
+    young: HashMap<(ShardKey, String), Instant>,
+    /// The same, in the order seen: what to forget once it is old.
+    young_order: VecDeque<(Instant, ShardKey, String)>,
 }
 
 impl Inner {
@@ -158,6 +172,23 @@ impl Inner {
         }
     }
 
+    /// Notes `entries` of shard `key` as seen `now`, and forgets those seen long enough ago.
+    fn seen(&mut self, key: &ShardKey, entries: &[String], now: Instant) {
+        while let Some((at, _, _)) = self.young_order.front()
+            && now.saturating_duration_since(*at) >= YOUNG_ENTRY
+        {
+            let (at, k, e) = self.young_order.pop_front().expect("front");
+            let id = (k, e);
+            if self.young.get(&id) == Some(&at) {
+                self.young.remove(&id);
+            }
+        }
+        for e in entries {
+            self.young.insert((key.clone(), e.clone()), now);
+            self.young_order.push_back((now, key.clone(), e.clone()));
+        }
+    }
+
     /// Stores `view` under `key` (`None`: removes it); returns the entries added and removed.
     fn put(&mut self, key: &ShardKey, view: Option<ShardView>) -> (Vec<String>, Vec<String>) {
         let old = self.shards.remove(key);
@@ -167,6 +198,7 @@ impl Inner {
         let removed: Vec<String> = before.difference(&after).map(|s| s.to_string()).collect();
         self.unlink(key, &removed);
         self.link(key, &added);
+        self.seen(key, &added, Instant::now());
         if let Some(v) = view {
             self.shards.insert(key.clone(), Arc::new(v));
         }
@@ -226,6 +258,29 @@ impl ReservationIndex {
             .flatten()
             .filter_map(|k| inner.shards.get(k).map(|v| (k.0, v.clone())))
             .collect()
+    }
+
+    /// How long the leader must still wait before it removes `entries` from shard `name`:
+    /// [`YOUNG_ENTRY`] after this index first showed each there; the whole of it for an
+    /// entry it does not show there yet (its watch has not caught up with the write).
+    pub fn young_for(&self, group: CalicoApiGroup, name: &str, entries: &BTreeSet<String>) -> Duration {
+        let key = (self.canonical(group), name.to_string());
+        let inner = self.inner.read().expect("index lock");
+        let now = Instant::now();
+        let listed = inner.shards.get(&key);
+        entries
+            .iter()
+            .map(|e| {
+                if listed.is_none_or(|v| v.position(e).is_none()) {
+                    return YOUNG_ENTRY;
+                }
+                match inner.young.get(&(key.clone(), e.clone())) {
+                    Some(at) => YOUNG_ENTRY.saturating_sub(now.saturating_duration_since(*at)),
+                    None => Duration::ZERO,
+                }
+            })
+            .max()
+            .unwrap_or_default()
     }
 
     /// Every shard, by key.
@@ -356,6 +411,36 @@ mod tests {
 
     fn view(name: &str, entries: &[&str]) -> ShardView {
         ShardView { name: name.into(), entries: entries.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+    }
+
+    #[test]
+    fn an_entry_is_young_from_when_this_index_first_showed_it() {
+        let index = ReservationIndex::default();
+        let set = |es: &[&str]| es.iter().map(|e| e.to_string()).collect::<BTreeSet<String>>();
+        let g = CalicoApiGroup::CrdV1;
+        // Not shown yet (the watch behind the write): the whole wait.
+        assert_eq!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])), YOUNG_ENTRY);
+        index.apply(g, view("capo-p", &["10.0.0.1/32"]));
+        let left = index.young_for(g, "capo-p", &set(&["10.0.0.1/32"]));
+        assert!(left > YOUNG_ENTRY - Duration::from_secs(1) && left <= YOUNG_ENTRY, "{left:?}");
+        // Seen long enough ago: no wait; a shard's other entries do not make it wait.
+        let old = Instant::now().checked_sub(YOUNG_ENTRY + Duration::from_secs(1)).unwrap();
+        index.inner.write().unwrap().young.insert(((g, "capo-p".into()), "10.0.0.1/32".into()), old);
+        assert_eq!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])), Duration::ZERO);
+        index.apply(g, view("capo-p", &["10.0.0.1/32", "10.0.0.2/32"]));
+        assert_eq!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])), Duration::ZERO);
+        assert!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32", "10.0.0.2/32"])) > Duration::from_secs(5));
+        // Removed and written again: young again. Listed afresh (a relist): young again.
+        index.apply(g, view("capo-p", &["10.0.0.2/32"]));
+        index.apply(g, view("capo-p", &["10.0.0.2/32", "10.0.0.1/32"]));
+        assert!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])) > Duration::from_secs(5));
+        index.inner.write().unwrap().young.clear();
+        index.replace(g, vec![view("capo-p", &["10.0.0.1/32"])]);
+        assert!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])) > Duration::from_secs(5));
+        // The same shard through the alias is the same entry.
+        let aliased = ReservationIndex::with_alias(Some((CalicoApiGroup::V3, g)));
+        aliased.apply(g, view("capo-p", &["10.0.0.1/32"]));
+        assert!(aliased.young_for(CalicoApiGroup::V3, "capo-p", &set(&["10.0.0.1/32"])) > Duration::from_secs(5));
     }
 
     #[test]

@@ -160,8 +160,30 @@ fn ownership(policy: Option<&str>) -> Vec<Value> {
 
 struct Waiter {
     cidr: String,
+    done: oneshot::Sender<Result<Placed, CalicoError>>,
+}
+
+/// Where an entry went in its shard, as the API server confirmed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
     /// Where the entry is in the list the write left, when the answer said.
-    done: oneshot::Sender<Result<Option<usize>, CalicoError>>,
+    pub at: Option<usize>,
+    /// This request's own write added it (it was not there before): its commit came after
+    /// the request started.
+    pub added: bool,
+}
+
+/// What an append left: the shard's list as its last write left it (empty when no write
+/// was needed), and the entries it found there already.
+struct Appended {
+    list: Vec<String>,
+    found: BTreeSet<String>,
+}
+
+impl Appended {
+    fn placed(&self, cidr: &str) -> Placed {
+        Placed { at: self.list.iter().position(|e| e == cidr), added: !self.found.contains(cidr) }
+    }
 }
 
 #[derive(Default)]
@@ -272,21 +294,15 @@ impl Reservations {
         self.hold_placed(policy, count, entry).await.map(|(shard, _)| shard)
     }
 
-    /// As [`Reservations::hold`], with the entry's index in the shard's list as the API
-    /// server confirmed it (when its answer said).
-    pub async fn hold_placed(
-        &self,
-        policy: &str,
-        count: u32,
-        entry: &str,
-    ) -> Result<(String, Option<usize>), CalicoError> {
+    /// As [`Reservations::hold`], with where the entry went (see [`Placed`]).
+    pub async fn hold_placed(&self, policy: &str, count: u32, entry: &str) -> Result<(String, Placed), CalicoError> {
         for (group, view) in self.index.shards_with(entry) {
             if group == self.group
                 && view.policy.as_deref() == Some(policy)
                 && view.position(entry).is_some()
                 && let Some(at) = self.confirm(&view.name, policy, entry).await?
             {
-                return Ok((view.name.clone(), Some(at)));
+                return Ok((view.name.clone(), Placed { at: Some(at), added: false }));
             }
         }
         let mut tried = 0;
@@ -302,7 +318,7 @@ impl Reservations {
             }
             tried += 1;
             match self.add(&name, policy, entry).await {
-                Ok(at) => return Ok((name, at)),
+                Ok(placed) => return Ok((name, placed)),
                 Err(e) if e.try_next_shard() => {
                     debug!(shard = %name, error = %e, "trying the next shard");
                     if !matches!(e, CalicoError::Full { .. }) {
@@ -331,7 +347,7 @@ impl Reservations {
 
     /// Adds `cidr` to shard `name` (created on first use), together with whatever other
     /// entries were queued for it meanwhile.
-    async fn add(&self, name: &str, policy: &str, cidr: &str) -> Result<Option<usize>, CalicoError> {
+    async fn add(&self, name: &str, policy: &str, cidr: &str) -> Result<Placed, CalicoError> {
         let (done, result) = oneshot::channel();
         let key = (self.group, name.to_string());
         let start_writer = {
@@ -392,26 +408,29 @@ impl Reservations {
                     );
                 }
                 for w in batch {
-                    let r = each.get(&w.cidr).cloned().unwrap_or(Err(CalicoError::WriterGone));
-                    let _ = w.done.send(r.map(|list| list.iter().position(|e| *e == w.cidr)));
+                    let r = match each.get(&w.cidr) {
+                        Some(Ok(appended)) => Ok(appended.placed(&w.cidr)),
+                        Some(Err(e)) => Err(e.clone()),
+                        None => Err(CalicoError::WriterGone),
+                    };
+                    let _ = w.done.send(r);
                 }
                 continue;
             }
             debug!(reservation = %key.1, entries = batch.len(), ok = result.is_ok(), "reservation batch written");
             for w in batch {
-                let at = match &result {
-                    Ok(list) => Ok(list.iter().position(|e| *e == w.cidr)),
+                let placed = match &result {
+                    Ok(appended) => Ok(appended.placed(&w.cidr)),
                     Err(e) => Err(e.clone()),
                 };
-                let _ = w.done.send(at);
+                let _ = w.done.send(placed);
             }
         }
     }
 
     /// Appends every entry in `cidrs` to shard `name` of `group`; with `fence`, as the
     /// leader (the shard's epoch is tested). The list is a set: entries the server rejects
-    /// as duplicates are dropped and the rest sent again. Returns the shard's list as the
-    /// last successful write left it (empty when no write was needed).
+    /// as duplicates are dropped (`found`) and the rest sent again.
     async fn append(
         &self,
         group: CalicoApiGroup,
@@ -419,10 +438,11 @@ impl Reservations {
         policy: &str,
         fence: Option<&Fence>,
         mut cidrs: BTreeSet<String>,
-    ) -> Result<Vec<String>, CalicoError> {
+    ) -> Result<Appended, CalicoError> {
+        let mut found = BTreeSet::new();
         for attempt in 0..ATTEMPTS {
             if cidrs.is_empty() {
-                return Ok(Vec::new());
+                return Ok(Appended { list: Vec::new(), found });
             }
             let mut ops = ownership(Some(policy));
             if let Some(f) = fence {
@@ -433,7 +453,7 @@ impl Reservations {
                 cidrs.iter().map(|c| json!({ "op": "add", "path": format!("/spec/{RESERVED_CIDRS}/-"), "value": c })),
             );
             let err = match self.store.patch(group, name, ops).await {
-                Ok(written) => return Ok(ShardView::from_object(&written).entries),
+                Ok(written) => return Ok(Appended { list: ShardView::from_object(&written).entries, found }),
                 Err(e) => e,
             };
             let Some(status) = status_of(&err) else {
@@ -449,7 +469,7 @@ impl Reservations {
             match status.code {
                 404 if !is_type_not_served(status) => {
                     if self.create(group, name, policy, fence, &cidrs).await? {
-                        return Ok(cidrs.into_iter().collect());
+                        return Ok(Appended { list: cidrs.into_iter().collect(), found });
                     }
                     continue; // created by somebody else meanwhile: append to theirs
                 }
@@ -463,7 +483,13 @@ impl Reservations {
                     }
                     let present: HashSet<&String> = current.entries.iter().collect();
                     let before = cidrs.len();
-                    cidrs.retain(|c| !present.contains(c));
+                    cidrs.retain(|c| {
+                        let there = present.contains(c);
+                        if there {
+                            found.insert(c.clone());
+                        }
+                        !there
+                    });
                     if cidrs.len() < before || cidrs.is_empty() {
                         continue; // duplicates dropped; send the rest at once
                     }
@@ -680,6 +706,17 @@ impl Reservations {
             }
         }
         Ok(stamped)
+    }
+
+    /// Waits until every entry of `cidrs` in shard `name` is [`super::index::YOUNG_ENTRY`]
+    /// old by this replica's watch: the leader removes an entry no sooner, for a repeated
+    /// review of its hold may have been answered from the append alone.
+    pub async fn settled(&self, group: CalicoApiGroup, name: &str, cidrs: &BTreeSet<String>) {
+        let young = self.index.young_for(group, name, cidrs);
+        if !young.is_zero() {
+            debug!(reservation = name, wait = ?young, "an entry to remove was written a moment ago; waiting");
+            tokio::time::sleep(young).await;
+        }
     }
 
     /// The leader removes `cidrs` from shard `name` of `group` with one patch: for each

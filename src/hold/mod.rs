@@ -45,6 +45,9 @@ pub struct Held {
     /// The entry's index in the reservation's list, as the API server last confirmed it.
     pub entry_at: Option<usize>,
     pub record: RecordOutcome,
+    /// When this request sent the append that added the entry (`None`: it was there
+    /// already, or this is a confirmation).
+    pub appended: Option<Instant>,
 }
 
 impl Held {
@@ -75,12 +78,21 @@ impl HoldError {
 /// How long a hold this replica made is checked, not written again, when the same Pod's
 /// deletion is reviewed once more.
 const RECENT_FOR: Duration = Duration::from_secs(5);
+/// How long after its append was sent a hold whose entry that append added is answered
+/// "held" again with no read at all: the leader removes no entry until
+/// [`crate::calico::index::YOUNG_ENTRY`] after its own watch first showed it, which is
+/// after the commit, which is after the send.
+const ANSWERED_FROM_ACK: Duration = Duration::from_secs(5);
+const _: () = assert!(ANSWERED_FROM_ACK.as_millis() < crate::calico::index::YOUNG_ENTRY.as_millis());
 /// A hold this replica made a moment ago.
 #[derive(Clone)]
 struct Recent {
     shard: String,
     record_uid: String,
     made: Instant,
+    entry_at: Option<usize>,
+    /// When the append that added its entry was sent (`None`: the entry was there already).
+    sent: Option<Instant>,
 }
 
 /// Writes holds into the active Calico API group.
@@ -146,14 +158,22 @@ impl HoldWriter {
         let mut recent = self.recent.lock().expect("recent holds lock");
         recent.retain(|_, r| now.duration_since(r.made) < RECENT_FOR);
         for h in held {
-            let r = Recent { shard: h.reservation.clone(), record_uid: h.record.uid().to_string(), made: now };
+            let r = Recent {
+                shard: h.reservation.clone(),
+                record_uid: h.record.uid().to_string(),
+                made: now,
+                entry_at: h.entry_at,
+                sent: h.appended,
+            };
             recent.insert((pod_uid.to_string(), h.ip), r);
         }
     }
 
     /// A hold of this Pod's `ip` this replica made a moment ago, if its entry is in its
-    /// shard now: one read of the shard (a quorum read, never the watched copy). `None`:
-    /// write it as usual.
+    /// shard now. Within [`ANSWERED_FROM_ACK`] of sending the append that added the entry,
+    /// the API server's answer to that append says so (the leader leaves a new entry alone
+    /// longer than that); later, or for an entry that was there already, one read of the
+    /// shard (a quorum read, never the watched copy). `None`: write it as usual.
     ///
     /// The record needs no read of its own. capo removes a record only after its entry
     /// (a release removes the entry first; a record is dropped only when its entry has
@@ -166,13 +186,18 @@ impl HoldWriter {
             let recent = self.recent.lock().expect("recent holds lock");
             recent.get(&key).filter(|r| r.made.elapsed() < RECENT_FOR).cloned()
         }?;
-        let cidr = entry::canonical(ip);
-        let at = self.reservations.confirm(&recent.shard, req.policy, &cidr).await.ok()??;
+        let at = if recent.sent.is_some_and(|sent| sent.elapsed() < ANSWERED_FROM_ACK) {
+            recent.entry_at
+        } else {
+            let cidr = entry::canonical(ip);
+            Some(self.reservations.confirm(&recent.shard, req.policy, &cidr).await.ok()??)
+        };
         Some(Held {
             ip,
             reservation: recent.shard,
-            entry_at: Some(at),
+            entry_at: at,
             record: RecordOutcome::Kept { uid: recent.record_uid },
+            appended: None,
         })
     }
 
@@ -212,6 +237,7 @@ impl HoldWriter {
             manual: None,
             forced: req.forced,
         };
+        let sent = Instant::now();
         let (entry, record) =
             tokio::join!(self.reservations.hold_placed(req.policy, req.shards, &cidr), self.records.record(ip, spec));
         let mut errors = Vec::new();
@@ -230,7 +256,7 @@ impl HoldWriter {
             }
         };
         match (shard, outcome) {
-            (Some((shard, entry_at)), Some(outcome)) => {
+            (Some((shard, placed)), Some(outcome)) => {
                 if shard != foreseen
                     && outcome.created_here()
                     && let Err(source) = self.records.moved(ip, outcome.uid(), &shard).await
@@ -238,7 +264,13 @@ impl HoldWriter {
                     let created = Some((ip, outcome.uid().to_string()));
                     return Err((vec![HoldError::Record { record: record_name(ip), ip, source }], created));
                 }
-                Ok(Held { ip, reservation: shard, entry_at, record: outcome })
+                Ok(Held {
+                    ip,
+                    reservation: shard,
+                    entry_at: placed.at,
+                    record: outcome,
+                    appended: placed.added.then_some(sent),
+                })
             }
             (_, outcome) => {
                 let created = outcome.filter(RecordOutcome::created_here).map(|o| (ip, o.uid().to_string()));
@@ -288,6 +320,7 @@ mod tests {
             reservation: "capo-p".into(),
             entry_at: Some(0),
             record: RecordOutcome::Created { uid: uid.into() },
+            appended: None,
         };
         writer.remember("pod-a", &[held("10.0.0.1", "r1"), held("10.0.0.2", "r2")]);
         writer.remember("pod-b", &[held("10.0.0.3", "r3")]);
@@ -296,5 +329,65 @@ mod tests {
         let mut left: Vec<String> = recent.keys().map(|(pod, ip)| format!("{pod} {ip}")).collect();
         left.sort();
         assert_eq!(left, ["pod-a 10.0.0.2", "pod-b 10.0.0.3"], "only the hold taken back is forgotten");
+    }
+
+    /// The API server is a closed port: an answer that needed a read is `None`.
+    #[tokio::test]
+    async fn a_repeated_review_is_answered_from_the_append_only_while_the_leader_leaves_the_entry_alone() {
+        let writer = {
+            let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+            let client = Client::try_from(config).unwrap();
+            let reservations = Reservations::new(client.clone(), capo_api::CalicoApiGroup::CrdV1, Default::default());
+            HoldWriter::new(client, reservations)
+        };
+        let pod = |uid: &str| PodFacts {
+            namespace: "redis".into(),
+            name: "redis-0".into(),
+            uid: uid.into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            controller: None,
+            node: None,
+            host_network: false,
+            ips: vec!["10.0.0.1".parse().unwrap()],
+            phase: None,
+            deleting: false,
+        };
+        let held = |appended: Option<Instant>| Held {
+            ip: "10.0.0.1".parse().unwrap(),
+            reservation: "capo-p".into(),
+            entry_at: Some(3),
+            record: RecordOutcome::Created { uid: "r1".into() },
+            appended,
+        };
+        let ask = |uid: &'static str| {
+            let writer = writer.clone();
+            async move {
+                let pod = pod(uid);
+                let req = HoldRequest {
+                    policy: "p",
+                    shards: 1,
+                    reserve_for: Duration::from_secs(60),
+                    pod: &pod,
+                    trigger: HoldTrigger::Delete,
+                    forced: false,
+                };
+                writer.recheck(&req, "10.0.0.1".parse().unwrap()).await
+            }
+        };
+        // The entry this request's append added a moment ago: no read.
+        writer.remember("pod-a", &[held(Some(Instant::now()))]);
+        let again = ask("pod-a").await.expect("answered from the append, with no read");
+        assert_eq!((again.reservation.as_str(), again.entry_at), ("capo-p", Some(3)));
+        assert_eq!(again.record, RecordOutcome::Kept { uid: "r1".into() });
+        // Sent longer ago than the leader leaves an entry alone: read (and the read fails).
+        let long_ago = Instant::now().checked_sub(ANSWERED_FROM_ACK).unwrap();
+        writer.remember("pod-b", &[held(Some(long_ago))]);
+        assert!(ask("pod-b").await.is_none(), "an old append is no answer");
+        // Found there already (its commit may be old): read.
+        writer.remember("pod-c", &[held(None)]);
+        assert!(ask("pod-c").await.is_none(), "an entry this request did not add needs a read");
+        // Another Pod's hold of the same address: not this one's.
+        assert!(ask("pod-d").await.is_none());
     }
 }

@@ -102,6 +102,7 @@ impl ShardWork {
         self.report_foreign(s, &key, &policy, &plan.foreign).await;
         let remove: BTreeSet<String> = plan.garbage.iter().chain(&plan.redundant).cloned().collect();
         if !remove.is_empty() {
+            s.reservations.settled(group, name, &remove).await;
             let removed = s.reservations.remove(group, name, &remove, &s.fence).await.map_err(reservation_error)?;
             let garbage = plan.garbage.iter().filter(|g| removed.contains(*g)).count();
             let repairs = &s.metrics.release.repairs;

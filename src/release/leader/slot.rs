@@ -102,13 +102,22 @@ impl SlotWork {
             let r = &l.record.spec;
             (r.calico_api_group.parse::<CalicoApiGroup>().unwrap_or(s.reservations.group()), r.reservation.clone())
         };
-        let mut by_shard: BTreeMap<(CalicoApiGroup, String), BTreeSet<String>> = BTreeMap::new();
+        let mut by_shard: BTreeMap<(CalicoApiGroup, String), (BTreeSet<String>, BTreeSet<String>)> = BTreeMap::new();
         for l in &leaving {
-            by_shard.entry(shard_of(l)).or_default().insert(l.record.spec.cidr.clone());
+            let (cidrs, reviewable) = by_shard.entry(shard_of(l)).or_default();
+            cidrs.insert(l.record.spec.cidr.clone());
+            // Its Pod's deletion may still be reviewed (the store shows the Pod, or never saw
+            // it leave): an entry written a moment ago stays until it has settled.
+            let p = &l.record.spec.pod;
+            let there = s.pods.get(&p.namespace, &p.name).is_some_and(|pod| pod.uid == p.uid);
+            if there || !s.pods.saw_depart(&p.uid) {
+                reviewable.insert(l.record.spec.cidr.clone());
+            }
         }
         // The shards go concurrently too: a large policy's slot spans all of them.
         let removals: Vec<_> = futures::stream::iter(by_shard)
-            .map(|((group, shard), cidrs)| async move {
+            .map(|((group, shard), (cidrs, reviewable))| async move {
+                s.reservations.settled(group, &shard, &reviewable).await;
                 let removed = s.reservations.remove(group, &shard, &cidrs, &s.fence).await;
                 ((group, shard), removed)
             })
