@@ -67,6 +67,14 @@ pub async fn infer_pair(nodelay: bool, identity: &str) -> Result<(Client, Client
 /// error of Calico's etcd datastore (also a `Service` error) is not sent again here (its
 /// client reconnects on its own, and a hold against an etcd that does not answer must
 /// say so within the review's deadline, not spend it retrying).
+/// The pause before attempt `attempt + 1` of a write the hold path sends again (after a
+/// transport failure, or a conflict or throttling the API server answered): 10 ms,
+/// doubling, at most 640 ms. The review's answer waits on it, and the API server's
+/// deadline bounds the whole.
+pub async fn pause_before_retry(attempt: usize) {
+    tokio::time::sleep(std::time::Duration::from_millis(10 << attempt.min(6))).await;
+}
+
 pub fn is_transport(e: &kube::Error) -> bool {
     match e {
         kube::Error::HyperError(_) => true,

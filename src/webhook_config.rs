@@ -69,6 +69,22 @@ fn client_config(endpoint: &Endpoint<'_>, path: &str) -> serde_json::Value {
     }
 }
 
+/// The namespaces a webhook is called for: none of `excluded`, only `only` (if given), and
+/// whatever `extra` adds.
+fn namespace_expressions(
+    excluded: &[String],
+    only: Option<&[String]>,
+    extra: Option<serde_json::Value>,
+) -> Vec<serde_json::Value> {
+    let mut expressions =
+        vec![json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded })];
+    expressions.extend(extra);
+    if let Some(only) = only {
+        expressions.push(json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }));
+    }
+    expressions
+}
+
 /// The sticky IPs' webhook (Pod CREATE, `Ignore`: a Pod is never kept from being created,
 /// it only gets new addresses), a MutatingWebhookConfiguration of the same name.
 fn sticky_configuration(
@@ -78,11 +94,7 @@ fn sticky_configuration(
     only_namespaces: Option<&[String]>,
     timeout_seconds: i32,
 ) -> serde_json::Value {
-    let mut expressions =
-        vec![json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded_namespaces })];
-    if let Some(only) = only_namespaces {
-        expressions.push(json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }));
-    }
+    let expressions = namespace_expressions(excluded_namespaces, only_namespaces, None);
     json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
@@ -114,13 +126,9 @@ fn configuration(
 ) -> serde_json::Value {
     let client_config = client_config(&endpoint, crate::admission::REVIEW_PATH);
     let webhook = |name: &str, failure_policy: &str, fail_ns_operator: &str| {
-        let mut expressions = vec![
-            json!({ "key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded_namespaces }),
-            json!({ "key": FAILURE_POLICY_LABEL, "operator": fail_ns_operator, "values": ["Fail"] }),
-        ];
-        if let Some(only) = only_namespaces {
-            expressions.push(json!({ "key": "kubernetes.io/metadata.name", "operator": "In", "values": only }));
-        }
+        let failure_policy_label =
+            json!({ "key": FAILURE_POLICY_LABEL, "operator": fail_ns_operator, "values": ["Fail"] });
+        let expressions = namespace_expressions(excluded_namespaces, only_namespaces, Some(failure_policy_label));
         json!({
             "name": name,
             "clientConfig": client_config,

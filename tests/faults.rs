@@ -95,6 +95,20 @@ async fn under_faults_nothing_is_allowed_unheld_answers_come_in_time_and_holds_r
     let entries = reservation(&admin, capo_api::CalicoApiGroup::CrdV1, &format!("capo-{policy}")).await.unwrap();
     assert!(entries.contains(&format!("{ip}/32")), "held after the retried append");
     assert!(record(&admin, ip).await.is_some(), "recorded after the retried create");
+    // The record's create lands but its answer is lost: sent again, it finds its own record
+    // (the same `reservedAt`, to the microsecond) and counts it as made here — a new hold,
+    // not one found in place (which would also leave the record naming the foreseen shard
+    // were the entry to go to another).
+    let holds =
+        || metric_value(&capo, &format!("capo_holds_total{{policy=\"{policy}\",trigger=\"delete\"}}")).unwrap_or(0.0);
+    let (before, injected_before) = (holds(), proxy.injected());
+    proxy.set(vec![Rule::new(Method::POST, records, Fault::DropAnswer).times(1)]);
+    let ip = Ips::v4();
+    create_pod_with_ips(&admin, &ns.name, unscheduled_pod("answer-lost", &[], &[]), &[ip]).await;
+    delete_pod(&admin, &ns.name, "answer-lost").await.expect("a create whose answer was lost is retried, not denied");
+    assert_eq!(proxy.injected() - injected_before, 1, "the create landed and its answer was lost");
+    assert!(record(&admin, ip).await.is_some(), "recorded");
+    assert_eq!(holds() - before, 1.0, "the record that landed is this hold's own: one new hold");
     // The faults stop: holds succeed again, no restart.
     proxy.clear();
     let ip = Ips::v4();

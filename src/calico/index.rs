@@ -198,7 +198,6 @@ impl Inner {
         let removed: Vec<String> = before.difference(&after).map(|s| s.to_string()).collect();
         self.unlink(key, &removed);
         self.link(key, &added);
-        self.seen(key, &added, Instant::now());
         if let Some(v) = view {
             self.shards.insert(key.clone(), Arc::new(v));
         }
@@ -303,7 +302,12 @@ impl ReservationIndex {
     fn apply(&self, group: CalicoApiGroup, view: ShardView) {
         let group = self.canonical(group);
         let key = (group, view.name.clone());
-        let (added, removed) = self.inner.write().expect("index lock").put(&key, Some(view));
+        let (added, removed) = {
+            let mut inner = self.inner.write().expect("index lock");
+            let (added, removed) = inner.put(&key, Some(view));
+            inner.seen(&key, &added, Instant::now());
+            (added, removed)
+        };
         let _ = self.events.send(IndexEvent::Shard { key, added, removed });
     }
 
@@ -319,12 +323,19 @@ impl ReservationIndex {
         {
             let mut inner = self.inner.write().expect("index lock");
             let stale: Vec<ShardKey> = inner.shards.keys().filter(|k| k.0 == group).cloned().collect();
+            // What a fresh list shows that the index already had keeps its first sight.
+            let mut before: HashMap<ShardKey, HashSet<String>> = HashMap::new();
             for k in stale {
-                inner.put(&k, None);
+                let (_, removed) = inner.put(&k, None);
+                before.insert(k, removed.into_iter().collect());
             }
+            let now = Instant::now();
             for v in views {
                 let key = (group, v.name.clone());
-                inner.put(&key, Some(v));
+                let (added, _) = inner.put(&key, Some(v));
+                let known = before.get(&key);
+                let new: Vec<String> = added.into_iter().filter(|e| known.is_none_or(|k| !k.contains(e))).collect();
+                inner.seen(&key, &new, now);
             }
         }
         self.synced.send_modify(|s| {
@@ -434,9 +445,16 @@ mod tests {
         index.apply(g, view("capo-p", &["10.0.0.2/32"]));
         index.apply(g, view("capo-p", &["10.0.0.2/32", "10.0.0.1/32"]));
         assert!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])) > Duration::from_secs(5));
+        // A fresh list (a watch that had to list again) keeps what the index knew: an old
+        // entry stays old, a new one is young. A fresh index (a new process) knows nothing.
         index.inner.write().unwrap().young.clear();
-        index.replace(g, vec![view("capo-p", &["10.0.0.1/32"])]);
-        assert!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])) > Duration::from_secs(5));
+        index.replace(g, vec![view("capo-p", &["10.0.0.1/32", "10.0.0.3/32"])]);
+        assert_eq!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32", "10.0.0.2/32"])), YOUNG_ENTRY, "10.0.0.2 left");
+        assert_eq!(index.young_for(g, "capo-p", &set(&["10.0.0.1/32"])), Duration::ZERO);
+        assert!(index.young_for(g, "capo-p", &set(&["10.0.0.3/32"])) > Duration::from_secs(5));
+        let fresh = ReservationIndex::default();
+        fresh.replace(g, vec![view("capo-p", &["10.0.0.1/32"])]);
+        assert!(fresh.young_for(g, "capo-p", &set(&["10.0.0.1/32"])) > Duration::from_secs(5));
         // The same shard through the alias is the same entry.
         let aliased = ReservationIndex::with_alias(Some((CalicoApiGroup::V3, g)));
         aliased.apply(g, view("capo-p", &["10.0.0.1/32"]));

@@ -461,7 +461,7 @@ impl Reservations {
                 // first attempt wrote is refused with 422 and dropped below).
                 if crate::client::is_transport(&err) && attempt + 1 < ATTEMPTS {
                     debug!(reservation = name, attempt, error = %err, "retrying reservation append after a transport error");
-                    tokio::time::sleep(Duration::from_millis(10 * (1 << attempt.min(6)))).await;
+                    crate::client::pause_before_retry(attempt).await;
                     continue;
                 }
                 return Err(CalicoError::Api(Arc::new(err)));
@@ -506,7 +506,7 @@ impl Reservations {
                 _ => return Err(self.classify(group, err)),
             }
             debug!(reservation = name, attempt, code = status.code, "retrying reservation append");
-            tokio::time::sleep(Duration::from_millis(10 * (1 << attempt.min(6)))).await;
+            crate::client::pause_before_retry(attempt).await;
         }
         Err(CalicoError::Contention)
     }

@@ -1,8 +1,9 @@
 //! Holding an IP: its `/32` or `/128` entry in one of the policy's capo-owned Calico
 //! reservations, and its `ReservedIP` record, written concurrently. "Held" is only ever
-//! answered when the API server has confirmed both are there now (for a repeated review of
-//! a hold this replica just made: the entry, read now, which implies the record; see
-//! `HoldWriter::recheck`).
+//! answered when the API server has confirmed both are there. For a repeated review of a
+//! hold this replica just made: within 5 s of the append that added the entry, that
+//! append's answer (the leader removes no such entry sooner than 6 s after it); later, the
+//! entry read now. Either implies the record; see `HoldWriter::recheck`.
 
 pub mod marks;
 mod records;
@@ -76,8 +77,9 @@ impl HoldError {
 }
 
 /// How long a hold this replica made is checked, not written again, when the same Pod's
-/// deletion is reviewed once more.
-const RECENT_FOR: Duration = Duration::from_secs(5);
+/// deletion is reviewed once more (`kubectl drain` retries an eviction a budget refuses
+/// every 5 s).
+const RECENT_FOR: Duration = Duration::from_secs(30);
 /// How long after its append was sent a hold whose entry that append added is answered
 /// "held" again with no read at all: the leader removes no entry until
 /// [`crate::calico::index::YOUNG_ENTRY`] after its own watch first showed it, which is

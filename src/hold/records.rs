@@ -67,12 +67,6 @@ fn classify(e: KubeError) -> RecordError {
     }
 }
 
-/// A short pause before sending a request again after a transport failure (10, 20, 40 ms…):
-/// the hold's answer waits on it, and the API server's deadline bounds the whole.
-async fn transport_pause(attempt: usize) {
-    tokio::time::sleep(std::time::Duration::from_millis(10 << attempt.min(4))).await;
-}
-
 /// Whether `v` can be a label value (a uid always can; anything else is left out).
 fn is_label_value(v: &str) -> bool {
     v.len() <= 63
@@ -127,6 +121,8 @@ impl Records {
             status: None,
         };
         let mut previous_pod = None;
+        // A create whose connection closed before the answer may have landed.
+        let mut maybe_landed = false;
         for attempt in 0..ATTEMPTS {
             match self.api.create(&PostParams::default(), &fresh).await {
                 Ok(created) => {
@@ -140,7 +136,8 @@ impl Records {
                 // Sent again: if the first one landed, the 409 below finds this Pod's
                 // record and keeps it.
                 Err(e) if crate::client::is_transport(&e) && attempt + 1 < ATTEMPTS => {
-                    transport_pause(attempt).await;
+                    maybe_landed = true;
+                    crate::client::pause_before_retry(attempt).await;
                     continue;
                 }
                 Err(e) => return Err(classify(e)),
@@ -148,7 +145,7 @@ impl Records {
             let existing = match self.api.get_opt(&name).await {
                 Ok(existing) => existing,
                 Err(e) if crate::client::is_transport(&e) && attempt + 1 < ATTEMPTS => {
-                    transport_pause(attempt).await;
+                    crate::client::pause_before_retry(attempt).await;
                     continue;
                 }
                 Err(e) => return Err(classify(e)),
@@ -156,6 +153,15 @@ impl Records {
             let Some(existing) = existing else {
                 continue; // released meanwhile; create again
             };
+            let uid = existing.metadata.uid.clone().unwrap_or_default();
+            if maybe_landed && existing.spec == fresh.spec {
+                // This request's own create (its `reservedAt` to the microsecond), which
+                // landed before its connection closed: made here, not found.
+                return Ok(match previous_pod {
+                    Some(previous_pod) => RecordOutcome::Replaced { previous_pod, uid },
+                    None => RecordOutcome::Created { uid },
+                });
+            }
             if existing.spec.pod.uid == fresh.spec.pod.uid {
                 // The first hold stays; a later forced deletion of the same Pod (after an
                 // eviction a PodDisruptionBudget refused) still says so on it.

@@ -19,6 +19,8 @@ pub enum Fault {
     Delay(Duration),
     /// Close the connection without an answer.
     Drop,
+    /// Forward the request (it lands), then close the connection without its answer.
+    DropAnswer,
 }
 
 #[derive(Clone, Debug)]
@@ -107,7 +109,10 @@ async fn forward(State(s): State<Shared>, req: Request<Body>) -> Response<Body> 
                 });
                 return rx.await.unwrap_or_else(|_| Response::builder().status(502).body(Body::empty()).unwrap());
             }
-            Fault::Drop => {
+            Fault::Drop | Fault::DropAnswer => {
+                if matches!(rule.fault, Fault::DropAnswer) {
+                    let _ = send(&s, req, path).await;
+                }
                 // A body that fails at once: the server aborts the connection.
                 let failing =
                     futures::stream::once(async { Err::<axum::body::Bytes, _>(std::io::Error::other("dropped")) });
