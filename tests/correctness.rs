@@ -273,7 +273,10 @@ async fn d08_holds_of_the_other_calico_group_are_released_on_time() {
     let bound = release_at.max(settled);
     let after_bound = released.duration_since(bound).as_secs_f64();
     assert!(late >= -0.05, "released {late:.2}s after its releaseAt");
-    assert!(after_bound <= 1.5, "released {after_bound:.2}s after max(releaseAt, start + 6 s) ({late:.2}s after releaseAt)");
+    assert!(
+        after_bound <= 1.5,
+        "released {after_bound:.2}s after max(releaseAt, start + 6 s) ({late:.2}s after releaseAt)"
+    );
     assert!(!policy_entries(&client, V1, &policy).await.contains(&cidr(ip)), "the v1 entry was removed");
 }
 

@@ -59,6 +59,12 @@ pub enum RecordError {
     Api(#[source] KubeError),
 }
 
+/// Whether two specs are the same as the API server keeps them (`reservedAt` to the
+/// microsecond: a spec made here holds nanoseconds the server never sees).
+fn same_on_the_wire(a: &ReservedIPSpec, b: &ReservedIPSpec) -> bool {
+    matches!((serde_json::to_value(a), serde_json::to_value(b)), (Ok(a), Ok(b)) if a == b)
+}
+
 fn classify(e: KubeError) -> RecordError {
     match &e {
         KubeError::Api(s) if crate::calico::is_type_not_served(s) => RecordError::NotServed,
@@ -154,7 +160,7 @@ impl Records {
                 continue; // released meanwhile; create again
             };
             let uid = existing.metadata.uid.clone().unwrap_or_default();
-            if maybe_landed && existing.spec == fresh.spec {
+            if maybe_landed && same_on_the_wire(&existing.spec, &fresh.spec) {
                 // This request's own create (its `reservedAt` to the microsecond), which
                 // landed before its connection closed: made here, not found.
                 return Ok(match previous_pod {
@@ -244,5 +250,34 @@ impl Records {
             Err(KubeError::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
             Err(e) => Err(classify(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the webhook sent and what the API server gives back for it are the same hold;
+    /// another `reservedAt` (a later hold of the same Pod) is not.
+    #[test]
+    fn a_spec_is_the_same_as_the_server_keeps_it_to_the_microsecond() {
+        let spec = |at: k8s_openapi::jiff::Timestamp| -> ReservedIPSpec {
+            serde_json::from_value(json!({
+                "ip": "10.0.0.1", "cidr": "10.0.0.1/32", "reservation": "capo-p", "calicoApiGroup": "crd.projectcalico.org/v1",
+                "policy": "p", "pod": { "namespace": "redis", "name": "redis-0", "uid": "u1" },
+                "trigger": "Delete", "reservedAt": at, "reserveFor": "40m",
+            }))
+            .map(|mut s: ReservedIPSpec| {
+                s.reserved_at = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(at);
+                s
+            })
+            .unwrap()
+        };
+        let sent = spec(k8s_openapi::jiff::Timestamp::from_nanosecond(1_800_000_000_123_456_789).unwrap());
+        let kept: ReservedIPSpec = serde_json::from_value(serde_json::to_value(&sent).unwrap()).unwrap();
+        assert_ne!(sent, kept, "the server keeps microseconds only");
+        assert!(same_on_the_wire(&sent, &kept));
+        let later = spec(k8s_openapi::jiff::Timestamp::from_nanosecond(1_800_000_000_123_457_789).unwrap());
+        assert!(!same_on_the_wire(&later, &kept));
     }
 }
