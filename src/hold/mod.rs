@@ -309,14 +309,17 @@ impl HoldWriter {
 mod tests {
     use super::*;
 
+    /// A writer whose API server is a closed port: anything that needs a request fails.
+    fn offline_writer() -> HoldWriter {
+        let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let reservations = Reservations::new(client.clone(), capo_api::CalicoApiGroup::CrdV1, Default::default());
+        HoldWriter::new(client, reservations)
+    }
+
     #[tokio::test]
     async fn a_hold_taken_back_is_not_remembered_as_made() {
-        let writer = {
-            let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
-            let client = Client::try_from(config).unwrap();
-            let reservations = Reservations::new(client.clone(), capo_api::CalicoApiGroup::CrdV1, Default::default());
-            HoldWriter::new(client, reservations)
-        };
+        let writer = offline_writer();
         let held = |ip: &str, uid: &str| Held {
             ip: ip.parse().unwrap(),
             reservation: "capo-p".into(),
@@ -333,15 +336,10 @@ mod tests {
         assert_eq!(left, ["pod-a 10.0.0.2", "pod-b 10.0.0.3"], "only the hold taken back is forgotten");
     }
 
-    /// The API server is a closed port: an answer that needed a read is `None`.
+    /// An answer that needed a read is `None` (the API server is a closed port).
     #[tokio::test]
     async fn a_repeated_review_is_answered_from_the_append_only_while_the_leader_leaves_the_entry_alone() {
-        let writer = {
-            let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
-            let client = Client::try_from(config).unwrap();
-            let reservations = Reservations::new(client.clone(), capo_api::CalicoApiGroup::CrdV1, Default::default());
-            HoldWriter::new(client, reservations)
-        };
+        let writer = offline_writer();
         let pod = |uid: &str| PodFacts {
             namespace: "redis".into(),
             name: "redis-0".into(),
