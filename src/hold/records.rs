@@ -139,8 +139,8 @@ impl Records {
                     });
                 }
                 Err(KubeError::Api(s)) if s.code == 409 => {}
-                // Sent again: if the first one landed, the 409 below finds this Pod's
-                // record and keeps it.
+                // Sent again: if the first one landed, the 409 below finds it, the same
+                // spec as sent, and counts it as created here.
                 Err(e) if crate::client::is_transport(&e) && attempt + 1 < ATTEMPTS => {
                     maybe_landed = true;
                     crate::client::pause_before_retry(attempt).await;
