@@ -91,7 +91,8 @@ const LATENESS_BOUND: Duration = Duration::from_secs(30);
 /// A policy with room for 25,000 holds (one object fits about 80,000 at most, and every
 /// hold would rewrite it) holds 2,000 IPs (`CAPO_SCALE_HOLDS`; 20,000 by hand takes about
 /// 5 minutes on 2 cores with `--release`, creating and deleting the Pods): they are spread
-/// over its 50 shards, none above its bound, and all released on schedule.
+/// over its 50 shards (a burst fills a few first: `calico::shards::JOIN_BELOW`), none above
+/// its bound, and all released on schedule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_schedule() {
     let _turn = TURNS.lock().await;
@@ -115,7 +116,10 @@ async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_sched
     let layout = shards(&client, &policy).await;
     let total: usize = layout.iter().map(|(_, c)| c).sum();
     assert!(total <= n - before, "{total} entries for {n} holds of which {before} were released: {layout:?}");
-    assert!(layout.len() >= 20, "spread over the policy's 50 shards: {layout:?}");
+    // A burst's holds join a shard with an append in flight while it holds fewer than
+    // `JOIN_BELOW` (so the storm needs few appends), then go to their home shards: none
+    // past its bound, and no overflow shard needed.
+    assert!(layout.len() <= 50, "within the policy's 50 shards: {layout:?}");
     let biggest = layout.iter().map(|(_, c)| *c).max().unwrap();
     assert!(biggest <= SHARD_SIZE, "a shard above its bound of {SHARD_SIZE}: {layout:?}");
     eprintln!("shards: {} of at most {biggest} entries", layout.len());
@@ -150,7 +154,7 @@ async fn thousands_of_holds_spread_over_bounded_shards_and_are_released_on_sched
 
 /// After an upgrade: the policy's holds sit in the one object earlier versions wrote
 /// (`capo-<policy>`, no leader epoch, records with their status); the new capo releases
-/// them from there on schedule, and spreads new holds over the shards its cap gives.
+/// them from there on schedule, and puts new holds in the shards its cap gives.
 #[tokio::test]
 async fn holds_in_the_single_reservation_of_earlier_versions_are_released_from_where_they_are() {
     let _turn = TURNS.lock().await;
@@ -202,12 +206,13 @@ async fn holds_in_the_single_reservation_of_earlier_versions_are_released_from_w
     .await;
     let new = many_pods(&client, &ns.name, "redis", 50).await;
     delete_all(&client, &ns.name, "redis", 50).await;
-    let layout = shards(&client, &policy).await;
-    assert!(layout.len() >= 3, "new holds spread over the shards: {layout:?}");
     for ip in &new {
         let rec = record(&client, *ip).await.expect("held");
-        let home = capo::calico::shards::home(&cidr(*ip), capo::calico::shards::count(2500));
-        assert_eq!(rec.spec.reservation, capo_api::keys::shard_name(&policy, home), "{ip} in its home shard");
+        let shard = &rec.spec.reservation;
+        let i = capo::calico::shards::index_of(shard, &policy);
+        assert!(i.is_some_and(|i| i < 5), "{ip} in {shard}: one of the five shards the cap gives");
+        let listed = reservation(&client, V1, shard).await.unwrap();
+        assert!(listed.contains(&cidr(*ip)), "{ip}'s record names {shard}, which lists it");
     }
     // The old holds are released from the old object, on schedule.
     let mut due = Vec::new();

@@ -11,6 +11,11 @@
 //!   is taken by an object that is not this policy's, is skipped for the next one; past
 //!   the last, overflow shards follow. So no shard grows past its bound, whatever the
 //!   count of holds, and a full shard never refuses a deletion.
+//! - During a burst a new entry joins a shard of the policy that has an append in flight
+//!   and entries waiting for the next, while that shard holds fewer than [`JOIN_BELOW`]:
+//!   the waiting entries go out in one patch, so a storm costs far fewer appends than
+//!   holds. Every replica finds an entry wherever it went (the watched copy lists it), so
+//!   nothing depends on an entry being in its home shard.
 //! - Shard 0 is `capo-<policy>`, the one object earlier versions wrote: their holds stay
 //!   where they are and are released from there.
 
@@ -20,12 +25,26 @@ pub const SHARD_SIZE: usize = 2_000;
 /// to a shard of 500 costs the API server half what one to 2,000 costs, while Calico's
 /// AutoAssign lists 100,000 entries in 200 objects within 4 % of 50 objects.
 pub const AT_CAP: u32 = 500;
+/// A burst's entries join a shard with an append in flight only while it holds fewer than
+/// this: joining never makes a shard bigger than a home shard is at the policy's cap, so
+/// an append costs what the sizing above promises (docs/release.md).
+pub const JOIN_BELOW: usize = AT_CAP as usize;
 /// The highest shard index capo uses (overflow included): far more than 100,000 holds need.
 pub const MAX_SHARDS: u32 = 9_999;
 
 /// How many home shards a policy with this cap has.
 pub fn count(max_reserved: u32) -> u32 {
     (u64::from(max_reserved).div_ceil(u64::from(AT_CAP))).clamp(1, u64::from(MAX_SHARDS)) as u32
+}
+
+/// The index of `name` among `policy`'s shards (`capo-<policy>` is 0, `capo-<policy>.<n>`
+/// is n), if it is one of them.
+pub fn index_of(name: &str, policy: &str) -> Option<u32> {
+    if name == capo_api::keys::shard_name(policy, 0) {
+        return Some(0);
+    }
+    let index = name.strip_prefix(&format!("capo-{policy}.")).and_then(|n| n.parse::<u32>().ok())?;
+    ((1..=MAX_SHARDS).contains(&index) && capo_api::keys::shard_name(policy, index) == name).then_some(index)
 }
 
 /// FNV-1a: stable across processes and versions (unlike the standard library's hasher).
@@ -71,6 +90,17 @@ mod tests {
         assert!(per.iter().all(|&c| (1_800..=2_200).contains(&c)), "{per:?}");
         assert_eq!(home("10.0.0.1/32", 7), home("10.0.0.1/32", 7));
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c, "FNV-1a 64 of \"a\"");
+    }
+
+    #[test]
+    fn only_the_policys_own_shard_names_have_an_index() {
+        assert_eq!(index_of("capo-redis", "redis"), Some(0));
+        assert_eq!(index_of("capo-redis.7", "redis"), Some(7));
+        assert_eq!(index_of("capo-redis.07", "redis"), None, "not a name capo writes");
+        assert_eq!(index_of("capo-redis.0", "redis"), None);
+        assert_eq!(index_of("capo-redis.10000", "redis"), None, "past the last shard");
+        assert_eq!(index_of("capo-other.1", "redis"), None);
+        assert_eq!(index_of("redis", "redis"), None);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 use super::datastore::Datastore;
 use super::entry::pointer_escape;
 use super::index::{CALICO_METADATA_ANNOTATION, Effective, ReservationIndex, ShardView};
-use super::shards::{self, SHARD_SIZE};
+use super::shards::{self, JOIN_BELOW, SHARD_SIZE};
 use crate::leader::{Fence, NotLeader};
 
 /// How often one write retries after conflicts or throttling.
@@ -263,9 +263,12 @@ impl Reservations {
         }
     }
 
-    /// Where [`Reservations::hold`] will most likely put `entry`: the policy's shard that
-    /// lists it already, or the first with room. (The record of a hold is written at the
-    /// same time as its entry, and names this shard.)
+    /// Where [`Reservations::hold_placed`] puts `entry` when told to prefer this shard: the
+    /// policy's shard that lists it already; during a burst, a shard of the policy with
+    /// an append in flight and entries waiting for the next, while it holds fewer than
+    /// [`JOIN_BELOW`] (its next patch carries this entry too: one request for several
+    /// holds); otherwise the first shard of the probe order with room. (The record of a
+    /// hold is written at the same time as its entry, and names this shard.)
     pub fn foresee(&self, policy: &str, count: u32, entry: &str) -> String {
         if let Some((_, view)) = self
             .index
@@ -274,6 +277,9 @@ impl Reservations {
             .find(|(g, v)| *g == self.group && v.policy.as_deref() == Some(policy))
         {
             return view.name.clone();
+        }
+        if let Some(name) = self.writing(policy) {
+            return name;
         }
         let taken = self.taken.lock().expect("taken lock");
         shards::probe_order(entry, count)
@@ -288,14 +294,41 @@ impl Reservations {
             .unwrap_or_else(|| shard_name(policy, 0))
     }
 
+    /// The shard of `policy` a new entry joins during a burst: of those with a writer
+    /// running (an append in flight), the one with the most entries waiting, if it holds
+    /// fewer than [`JOIN_BELOW`] with them.
+    fn writing(&self, policy: &str) -> Option<String> {
+        let taken = self.taken.lock().expect("taken lock");
+        let q = self.queue.lock().expect("reservation queue lock");
+        q.pending
+            .iter()
+            .filter(|((group, name), (p, _))| {
+                *group == self.group && p == policy && !taken.contains(&(*group, name.clone()))
+            })
+            .filter_map(|((group, name), (_, waiting))| {
+                let held = self.index.get(*group, name).map_or(0, |v| v.entries.len());
+                (held + waiting.len() < JOIN_BELOW).then_some((waiting.len(), std::cmp::Reverse(held), name))
+            })
+            .max()
+            .map(|(_, _, name)| name.clone())
+    }
+
     /// Holds `entry` for `policy`, whose cap gives it `count` shards; returns the shard
     /// that lists it once the API server has confirmed it there.
     pub async fn hold(&self, policy: &str, count: u32, entry: &str) -> Result<String, CalicoError> {
-        self.hold_placed(policy, count, entry).await.map(|(shard, _)| shard)
+        self.hold_placed(policy, count, entry, None).await.map(|(shard, _)| shard)
     }
 
-    /// As [`Reservations::hold`], with where the entry went (see [`Placed`]).
-    pub async fn hold_placed(&self, policy: &str, count: u32, entry: &str) -> Result<(String, Placed), CalicoError> {
+    /// As [`Reservations::hold`], with where the entry went (see [`Placed`]); a new entry
+    /// goes to shard `prefer` first (what [`Reservations::foresee`] said), if it is the
+    /// policy's and has room.
+    pub async fn hold_placed(
+        &self,
+        policy: &str,
+        count: u32,
+        entry: &str,
+        prefer: Option<&str>,
+    ) -> Result<(String, Placed), CalicoError> {
         for (group, view) in self.index.shards_with(entry) {
             if group == self.group
                 && view.policy.as_deref() == Some(policy)
@@ -306,8 +339,9 @@ impl Reservations {
             }
         }
         let mut tried = 0;
-        for i in shards::probe_order(entry, count) {
-            let name = shard_name(policy, i);
+        let preferred = prefer.filter(|name| shards::index_of(name, policy).is_some()).map(str::to_string);
+        let probed = shards::probe_order(entry, count).map(|i| shard_name(policy, i));
+        for name in preferred.clone().into_iter().chain(probed.filter(|n| Some(n) != preferred.as_ref())) {
             if self.taken.lock().expect("taken lock").contains(&(self.group, name.clone())) {
                 continue;
             }
@@ -880,6 +914,45 @@ mod tests {
         restored.metadata.annotations = serde_json::from_value(annotations.clone()).unwrap();
         assert!(restore_patch(&restored).is_none(), "nothing left to put back");
         assert!(ShardView::from_object(&restored).epoch == Some(3) && !ShardView::from_object(&restored).moved);
+    }
+
+    /// During a burst a new entry is foreseen for (and held in) a shard of its policy with
+    /// a writer running, the one with most entries waiting, while it holds fewer than
+    /// `JOIN_BELOW`; otherwise for its home shard. Another policy's writer is not joined.
+    #[tokio::test]
+    async fn a_burst_joins_the_policys_shard_with_an_append_in_flight() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        let index = Arc::new(ReservationIndex::default());
+        let reservations = Reservations::new(Client::try_from(config).unwrap(), CalicoApiGroup::CrdV1, index.clone());
+        let entry = "10.0.0.9/32";
+        let home = shard_name("p", shards::home(entry, 24));
+        let (a, b) = (shard_name("p", 30), shard_name("p", 31));
+        assert!(home != a && home != b);
+        assert_eq!(reservations.foresee("p", 24, entry), home, "no writer running: its home shard");
+        let writing = |name: &str, policy: &str, waiting: usize| {
+            let waiters =
+                (0..waiting).map(|i| Waiter { cidr: format!("10.9.0.{i}/32"), done: oneshot::channel().0 }).collect();
+            let mut q = reservations.queue.lock().unwrap();
+            q.pending.insert((CalicoApiGroup::CrdV1, name.to_string()), (policy.to_string(), waiters));
+        };
+        writing(&shard_name("other", 1), "other", 5);
+        assert_eq!(reservations.foresee("p", 24, entry), home, "another policy's writer is not joined");
+        writing(&a, "p", 1);
+        writing(&b, "p", 3);
+        assert_eq!(reservations.foresee("p", 24, entry), b, "the writer with most entries waiting");
+        let view = |name: &str, n: usize| ShardView {
+            name: name.to_string(),
+            policy: Some("p".into()),
+            entries: (0..n).map(|i| format!("10.1.{}.{}/32", i / 256, i % 256)).collect(),
+            ..Default::default()
+        };
+        index.put_for_test(CalicoApiGroup::CrdV1, view(&b, JOIN_BELOW - 3));
+        assert_eq!(reservations.foresee("p", 24, entry), a, "b with its waiting entries is at JOIN_BELOW");
+        index.put_for_test(CalicoApiGroup::CrdV1, view(&a, JOIN_BELOW));
+        assert_eq!(reservations.foresee("p", 24, entry), home, "both full enough: home again");
+        reservations.taken.lock().unwrap().insert((CalicoApiGroup::CrdV1, home.clone()));
+        assert_ne!(reservations.foresee("p", 24, entry), home, "a taken home shard is skipped");
     }
 
     /// A shard that is full by the watched copy, or another policy's, is skipped.

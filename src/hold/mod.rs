@@ -240,8 +240,10 @@ impl HoldWriter {
             forced: req.forced,
         };
         let sent = Instant::now();
-        let (entry, record) =
-            tokio::join!(self.reservations.hold_placed(req.policy, req.shards, &cidr), self.records.record(ip, spec));
+        let (entry, record) = tokio::join!(
+            self.reservations.hold_placed(req.policy, req.shards, &cidr, Some(&foreseen)),
+            self.records.record(ip, spec)
+        );
         let mut errors = Vec::new();
         let shard = match entry {
             Ok(placed) => Some(placed),

@@ -8,10 +8,7 @@
 use std::net::IpAddr;
 
 use capo_api::CalicoApiGroup;
-use capo_api::keys::shard_name;
 use capo_api::reserved_ip::{ReservedIP, record_name, single_ip_cidr};
-
-use crate::calico::shards::MAX_SHARDS;
 
 /// What is wrong with a record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -63,11 +60,7 @@ pub fn check(rec: &ReservedIP) -> Result<(), Inconsistent> {
 }
 
 fn is_shard_of(reservation: &str, policy: &str) -> bool {
-    if reservation == shard_name(policy, 0) {
-        return true;
-    }
-    let index = reservation.strip_prefix(&format!("capo-{policy}.")).and_then(|n| n.parse::<u32>().ok());
-    index.is_some_and(|i| (1..=MAX_SHARDS).contains(&i) && shard_name(policy, i) == reservation)
+    crate::calico::shards::index_of(reservation, policy).is_some()
 }
 
 #[cfg(test)]
