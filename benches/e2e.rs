@@ -358,7 +358,9 @@ fn metric(m: &str, needle: &str) -> f64 {
 
 /// kube-apiserver's `apiserver_request_total` for what a held deletion may cost besides the
 /// DELETE itself: every request on `ipreservations`, `reservedips` (and its status) and
-/// `events`, and every request on `pods` but a DELETE. (resource/subresource verb, count).
+/// `events`, every request on `pods` but a DELETE, and every create, update or delete of a
+/// ConfigMap (the leader's countdowns; the benchmark's own ConfigMap writes are PATCHes).
+/// (resource/subresource verb, count).
 async fn hold_requests(client: &Client) -> std::collections::BTreeMap<String, f64> {
     let req = axum::http::Request::get("/metrics").body(Vec::new()).unwrap();
     let text = client.request_text(req).await.unwrap();
@@ -369,7 +371,8 @@ async fn hold_requests(client: &Client) -> std::collections::BTreeMap<String, f6
         };
         let (resource, sub, verb) = (label("resource"), label("subresource"), label("verb"));
         let counted = matches!(resource.as_str(), "ipreservations" | "reservedips" | "events")
-            || (resource == "pods" && verb != "DELETE");
+            || (resource == "pods" && verb != "DELETE")
+            || (resource == "configmaps" && matches!(verb.as_str(), "POST" | "PUT" | "DELETE"));
         if !counted || label("group") == "coordination.k8s.io" {
             continue;
         }
@@ -535,7 +538,8 @@ async fn main() {
     let shared = capo_testenv::shared();
     let client = shared.client().await;
     install(&client).await;
-    for ns in ["bench", "bench-allow", "bench-storm", "bench-big", "bench-zero"] {
+    // capo-system: capo's namespace, where its leader keeps the countdowns.
+    for ns in ["bench", "bench-allow", "bench-storm", "bench-big", "bench-zero", "capo-system"] {
         namespace(&client, ns).await;
     }
 

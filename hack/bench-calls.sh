@@ -51,7 +51,7 @@ redis_statefulset "$N" Parallel 600s
 # resource|subresource|verb|code|count, for what a deletion touches.
 requests() {
   kubectl get --raw /metrics | grep '^apiserver_request_total' |
-    grep -E 'resource="(pods|ipreservations|reservedips|events)"' |
+    grep -E 'resource="(pods|ipreservations|reservedips|events|configmaps)"' |
     sed -E 's/.*code="([0-9]+)".*resource="([a-z]+)".*subresource="([a-z]*)".*verb="([A-Z]+)".*\} ([0-9.e+]+)$/\2|\3|\4|\1|\5/'
 }
 before="$(requests)"

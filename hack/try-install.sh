@@ -153,6 +153,7 @@ if [[ "$how" == argocd ]]; then
 '{range .status.operationState.syncResult.resources[*]}  {.kind}/{.name}: {.message}{"\n"}{end}'
   run kubectl get capopolicies
   run kubectl get reservedips
-  echo "the policy is gone, $old_ip is still held: released $(kubectl get reservedips -o jsonpath='{.items[0].status.releaseAt}' 2>/dev/null || echo '40m after the Pod is gone'), not before"
+  run target/debug/capo holds -n capo-system
+  echo "the policy is gone, $old_ip is still held: released when DUE IN says (40m after the Pod is gone), not before"
 fi
 say "Done. capo stops now; the control plane stays up (make testenv-down)."

@@ -38,6 +38,10 @@ pub enum Command {
         /// Output format: table or json.
         #[arg(short, long, default_value = "table")]
         output: crate::ops::Output,
+        /// capo's namespace: where its leader keeps the countdowns (when each hold's Pod
+        /// was seen gone).
+        #[arg(short, long, env = "POD_NAMESPACE", default_value = "capo-system")]
+        namespace: String,
     },
     /// Release held IPs now (the leader does it, paced by the policy's releaseInterval).
     Release {
@@ -470,6 +474,7 @@ impl Args {
                 },
                 policy_prefix: (!self.policy_prefix.is_empty()).then(|| self.policy_prefix.clone()),
                 excluded_namespaces: excluded.to_vec(),
+                namespace: self.namespace.clone(),
                 workers: self.workers.max(1),
                 max_pool_share: self.max_pool_share,
             },

@@ -46,7 +46,7 @@ async fn operator(command: Command) -> std::process::ExitCode {
         }
     };
     let result = match command {
-        Command::Holds { output } => capo::ops::holds(client, output).await,
+        Command::Holds { output, namespace } => capo::ops::holds(client, output, &namespace).await,
         Command::Policies { output } => capo::ops::policies(client, output).await,
         Command::Release { ips, wait } => capo::ops::release(client, &ips, wait.as_std()).await,
         Command::Extend { ip, for_, wait } => capo::ops::extend(client, ip, for_.as_std(), wait.as_std()).await,

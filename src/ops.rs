@@ -100,9 +100,18 @@ fn sticky(now: Timestamp, r: &ReservedIP) -> String {
     }
 }
 
-pub async fn holds(client: Client, output: Output) -> Result<String, OpsError> {
-    let api = Api::<ReservedIP>::all(client);
+/// Every hold, with the countdowns the leader keeps in `namespace` (capo's) shown in its
+/// status as `podGoneAt` and `releaseAt`.
+pub async fn holds(client: Client, output: Output, namespace: &str) -> Result<String, OpsError> {
+    let api = Api::<ReservedIP>::all(client.clone());
     let mut list = api.list(&ListParams::default()).await.map_err(|e| OpsError::api("listing ReservedIPs", e))?.items;
+    let starts = crate::release::countdowns::read(&client, Some(namespace))
+        .await
+        .map_err(|e| OpsError::api(format!("reading the countdowns in namespace {namespace} (--namespace)"), e))?;
+    let settings = crate::release::decide::PlanSettings::default();
+    for r in &mut list {
+        crate::release::countdowns::overlay(r, &starts, &settings);
+    }
     list.sort_by(|a, b| (&a.spec.policy, a.spec.reserved_at.0).cmp(&(&b.spec.policy, b.spec.reserved_at.0)));
     let now = Timestamp::now();
     if output == Output::Json {

@@ -339,6 +339,62 @@ async fn releases_due_while_the_leader_is_dead_are_late_by_at_most_the_lease_dur
     assert!(worst <= 5.0, "released {worst:.2}s late: more than the Lease duration (3s) + 2s");
 }
 
+/// The lateness bound for countdowns the leader had not flushed yet: the leader is killed
+/// the moment ten deletions returned, before its countdown starts (kept in memory,
+/// flushed to capo's namespace at most once a second) are all written. The new leader
+/// starts what it did not find when it first looks: each hold is released no earlier
+/// than its Pod left plus `reserveFor` (4 s), and late by at most the flush interval
+/// (1 s) + the Lease duration (3 s) + 2 s.
+#[tokio::test]
+async fn countdowns_not_yet_flushed_when_the_leader_dies_start_late_never_early() {
+    let plane = private_plane("unflushed", true);
+    let client = plane.client().await;
+    let ns = "unflushed";
+    prepare(&client, ns, json!({})).await;
+    let policy = format!("{ns}-p");
+    let launch = |identity| Launch { identity, kubeconfig: &plane.kubeconfig, clock_ahead: None };
+    let mut replicas = vec![spawn_replica(ns, launch("a")).await, spawn_replica(ns, launch("b")).await];
+    wait_called(&client, ns, &replicas.iter().collect::<Vec<_>>()).await;
+    apply_policy(
+        &client,
+        &policy,
+        ns,
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "4s",
+                "releaseInterval": "100ms", "releaseBatch": 100 }),
+    )
+    .await;
+    let leader = eventually("a leader", Duration::from_secs(30), || holder(&client, ns)).await;
+    let ips = selected_pods(&client, ns, 10).await;
+    let left: Vec<Timestamp> = futures::future::join_all((0..10).map(|i| {
+        let client = client.clone();
+        async move {
+            delete_pod(&client, ns, &format!("redis-{i}")).await.expect("held and allowed");
+            Timestamp::now()
+        }
+    }))
+    .await;
+    let i = replicas.iter().position(|r| r.identity == leader).unwrap();
+    let mut killed = replicas.remove(i);
+    killed.child.start_kill().unwrap();
+    let _ = killed.child.wait().await;
+    let flushed = capo::release::countdowns::read(&client, Some("capo-system")).await.expect("read the countdowns");
+    wait_all_released(&client, &ips, Duration::from_secs(40)).await;
+    let audit = plane.audit();
+    let mut worst: f64 = 0.0;
+    for (ip, left) in ips.iter().zip(&left) {
+        let name = capo_api::reserved_ip::record_name(*ip);
+        let gone = audit.iter().find(|e| e.ok() && e.verb == "delete" && e.name == name).unwrap().at;
+        let late = gone.duration_since(*left).as_secs_f64() - 4.0;
+        assert!(late >= -0.1, "{ip} released {:.2}s early", -late);
+        worst = worst.max(late);
+    }
+    eprintln!(
+        "{} of 10 countdowns flushed when the leader died; lateness after its loss: at most {worst:.2}s",
+        flushed.len()
+    );
+    assert!(worst <= 6.0, "released {worst:.2}s late: more than the flush (1s) + the Lease duration (3s) + 2s");
+}
+
 /// Defect 5: a replica that lost the Lease cannot release anything. The follower's clock
 /// runs 10 s ahead (libfaketime): it must not take over while the leader renews (with the
 /// old election it did at once, and both released). Then the leader is cut off from the

@@ -605,7 +605,7 @@ async fn a_pending_claim_outlives_its_ttl_and_gets_a_lost_entry_written_back() {
     let until = rec.claim().expect("claimed").until.0;
 
     // Past its TTL, the hold stays while the claim is pending.
-    let due = rec.status.as_ref().and_then(|s| s.release_at.clone()).expect("counting down").0;
+    let due = wait_status(&client, x).await.status.and_then(|s| s.release_at).expect("counting down").0;
     let past_due = due + k8s_openapi::jiff::SignedDuration::from_secs(2);
     eventually("two seconds past due", Duration::from_secs(10), || async {
         (k8s_openapi::jiff::Timestamp::now() > past_due).then_some(())

@@ -151,9 +151,9 @@ pub struct Facts<'a> {
     pub owner: Owner,
     /// Since when this leader has seen the entry missing.
     pub missing_since: Option<Timestamp>,
-    /// When this leader's stores first showed the Pod gone (a Pod or record event), if
-    /// the countdown is not written yet: a backlog of work before this hold must not
-    /// start its countdown late.
+    /// When the countdown started: this leader's stores first showed the Pod gone (a Pod
+    /// or record event), or a former leader's flushed start, unless the record's status
+    /// says (`podGoneAt`): a backlog of work before this hold must not start it late.
     pub seen_gone: Option<Timestamp>,
 }
 
@@ -190,6 +190,16 @@ pub fn ttl_due(rec: &ReservedIP, gone: Timestamp, settings: &PlanSettings) -> Ti
     plus(gone, reserve_for(rec, settings))
 }
 
+/// When a hold whose Pod is gone since `gone` falls due: at the operator's `extend`, if
+/// any, else by its TTL.
+pub fn release_at(rec: &ReservedIP, gone: Timestamp, settings: &PlanSettings) -> Timestamp {
+    extend_until(rec).unwrap_or_else(|| ttl_due(rec, gone, settings))
+}
+
+fn extend_until(rec: &ReservedIP) -> Option<Timestamp> {
+    rec.manual().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0)
+}
+
 fn reserve_for(rec: &ReservedIP, settings: &PlanSettings) -> Duration {
     rec.spec.reserve_for.parse::<capo_api::Duration>().map(|d| d.as_std()).unwrap_or(settings.default_reserve_for)
 }
@@ -200,8 +210,6 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
     let state = pod_state(rec, f.pod);
     let current = rec.status.clone().unwrap_or_default();
     let mut desired = current.clone();
-    let extend_until =
-        rec.manual().filter(|m| m.action == ManualAction::Extend).and_then(|m| m.until.as_ref()).map(|u| u.0);
 
     // A hold made a moment ago whose Pod still looks kept: its deletion has most likely not
     // reached this leader's Pod store yet. Looked at again once that had time to settle,
@@ -233,7 +241,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             let gone = current.pod_gone_at.as_ref().map(|t| t.0).or(f.seen_gone.filter(|t| *t <= now)).unwrap_or(now);
             desired.pod_gone_at = Some(MicroTime(gone));
             desired.pod_kept_since = None;
-            let release_at = extend_until.unwrap_or_else(|| ttl_due(rec, gone, settings));
+            let release_at = release_at(rec, gone, settings);
             desired.release_at = Some(MicroTime(release_at));
             Some((release_at, ReleaseReason::Ttl))
         }

@@ -11,6 +11,7 @@
 pub mod announce;
 pub mod cap;
 pub mod consistency;
+pub mod countdowns;
 pub mod decide;
 pub mod leader;
 pub mod pacer;

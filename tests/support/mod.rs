@@ -447,8 +447,34 @@ pub async fn policy_entries(client: &Client, group: CalicoApiGroup, policy: &str
     all
 }
 
+/// The record of `ip`, its countdown (kept by the leader in a countdown ConfigMap, in
+/// whichever namespace that leader runs) shown in its status as `capo holds` shows it.
 pub async fn record(client: &Client, ip: IpAddr) -> Option<ReservedIP> {
-    Api::<ReservedIP>::all(client.clone()).get_opt(&capo_api::reserved_ip::record_name(ip)).await.expect("read record")
+    let mut rec = Api::<ReservedIP>::all(client.clone())
+        .get_opt(&capo_api::reserved_ip::record_name(ip))
+        .await
+        .expect("read record")?;
+    let starts = capo::release::countdowns::read(client, None).await.expect("read the countdowns");
+    capo::release::countdowns::overlay(&mut rec, &starts, &Default::default());
+    Some(rec)
+}
+
+/// The records of `ips` that exist, as [`record`] shows them, read in one pass (one list
+/// of the records, one of the countdowns): for many holds that count down fast.
+#[allow(dead_code)]
+pub async fn records(client: &Client, ips: &[IpAddr]) -> std::collections::HashMap<IpAddr, ReservedIP> {
+    let names: std::collections::HashMap<String, IpAddr> =
+        ips.iter().map(|ip| (capo_api::reserved_ip::record_name(*ip), *ip)).collect();
+    let list = Api::<ReservedIP>::all(client.clone()).list(&Default::default()).await.expect("list records");
+    let starts = capo::release::countdowns::read(client, None).await.expect("read the countdowns");
+    list.items
+        .into_iter()
+        .filter_map(|mut rec| {
+            let ip = *names.get(&rec.name_any())?;
+            capo::release::countdowns::overlay(&mut rec, &starts, &Default::default());
+            Some((ip, rec))
+        })
+        .collect()
 }
 
 pub async fn delete_pod(client: &Client, ns: &str, name: &str) -> Result<(), kube::Error> {
@@ -551,7 +577,11 @@ pub fn installed_settings(addr: std::net::SocketAddr, prefix: &str) -> Settings 
                 duration: Duration::from_secs(3),
                 grace: Duration::from_secs(1),
             }),
-            engine: capo::release::EngineSettings { policy_prefix: Some(prefix.to_string()), ..Default::default() },
+            engine: capo::release::EngineSettings {
+                policy_prefix: Some(prefix.to_string()),
+                namespace: "capo-system".into(),
+                ..Default::default()
+            },
             identity: "installed".into(),
         }),
         watch_failure_grace: Duration::from_secs(30),
@@ -569,6 +599,8 @@ pub async fn capo_cli_as(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, S
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
         .args(args)
         .env("KUBECONFIG", kubeconfig)
+        // Where the tests' leaders keep their countdowns (EngineSettings' default).
+        .env("POD_NAMESPACE", "default")
         .output()
         .await
         .expect("run capo");

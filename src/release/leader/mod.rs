@@ -5,7 +5,8 @@
 //! One module per kind of work, each owning what it remembers: [`record`] (a hold's
 //! countdown and release), [`policy`] (a policy's cap), [`slot`] (a policy's paced
 //! release slots), [`shard`] (a reservation's repair), [`pool`] (the pool guard),
-//! [`safety_net`] (Pods that left without a hold). What they share — keys, stores,
+//! [`safety_net`] (Pods that left without a hold); [`starts`] keeps the holds' countdown
+//! starts and flushes them to capo's namespace. What they share — keys, stores,
 //! writers, the pacer — is in [`context`]; which event touches which key in [`routing`].
 //! A reconcile says when to look again; a failed one comes back with backoff
 //! (`capo_release_retries_total`).
@@ -18,6 +19,7 @@ mod routing;
 mod safety_net;
 mod shard;
 mod slot;
+mod starts;
 
 use std::sync::Arc;
 
@@ -37,6 +39,7 @@ use self::safety_net::NetLoop;
 use self::shard::ShardWork;
 use self::slot::SlotWork;
 use super::announce::Announcements;
+use super::countdowns;
 use super::decide::PlanSettings;
 use super::writes::ReleaseError;
 use crate::calico::pools::{PoolStore, detect_ipam_api};
@@ -68,6 +71,8 @@ pub struct EngineSettings {
     /// The most of a Calico IP pool's unallocated addresses all policies together may
     /// hold, in percent (`--max-pool-share`); `maxPoolShare` bounds one policy.
     pub max_pool_share: u32,
+    /// capo's namespace (`--namespace`): where the countdown ConfigMaps are kept.
+    pub namespace: String,
 }
 
 impl Default for EngineSettings {
@@ -78,6 +83,7 @@ impl Default for EngineSettings {
             excluded_namespaces: vec![],
             workers: 8,
             max_pool_share: DEFAULT_MAX_POOL_SHARE,
+            namespace: "default".into(),
         }
     }
 }
@@ -218,10 +224,18 @@ impl ReleaseEngine {
             shards: ShardWork::default(),
             pools: PoolWork::default(),
         });
+        let in_scope = |p: &str| leader.s.in_scope(p);
+        tokio::select! {
+            taken = self.read_countdowns(&fence) => {
+                let taken = leader.records.starts.load(&taken, &records, in_scope);
+                info!(namespace = %self.settings.namespace, starts = taken, "leader: read the countdowns a former leader kept");
+            }
+            _ = fence.lost() => return,
+        }
         leader.enqueue_everything();
         info!(records = records.all_names().len(), "leader: release controller running");
         let workers = self.settings.workers.max(1);
-        let mut loops = vec![announcing, tokio::spawn(leader.clone().pump(rx))];
+        let mut loops = vec![announcing, tokio::spawn(leader.clone().pump(rx)), tokio::spawn(leader.clone().flush())];
         loops.extend((0..workers).map(|_| tokio::spawn(leader.clone().work())));
         loops.extend(net.spawn(net_rx, workers));
         // Declared first, so dropped last: also when the caller drops this future as the
@@ -233,7 +247,43 @@ impl ReleaseEngine {
     }
 }
 
+impl ReleaseEngine {
+    /// The countdown ConfigMaps of capo's namespace, read before anything is counted down
+    /// (retried until they are read: counting down without them would start every hold
+    /// whose start a former leader kept anew, late).
+    async fn read_countdowns(&self, fence: &Fence) -> Vec<k8s_openapi::api::core::v1::ConfigMap> {
+        let mut wait = std::time::Duration::from_millis(200);
+        loop {
+            match countdowns::list(&self.client, Some(&self.settings.namespace)).await {
+                Ok(cms) => return cms,
+                Err(e) => {
+                    warn!(namespace = %self.settings.namespace, error = %e, retry_in = ?wait, "leader: could not read the countdowns; counting down waits");
+                    if fence.check().is_err() {
+                        return vec![];
+                    }
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(std::time::Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
 impl Leader {
+    /// Writes the countdown starts that changed, every [`countdowns::FLUSH_EVERY`].
+    async fn flush(self: Arc<Self>) {
+        let s = &self.s;
+        let mut tick = tokio::time::interval(countdowns::FLUSH_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(e) = self.records.starts.flush(&s.client, &s.settings.namespace, &s.fence).await {
+                s.metrics.release.failures.with_label_values(&[&e.policy, "countdowns"]).inc();
+                warn!(error = %e, "leader: countdowns not written; tried again in a second");
+            }
+        }
+    }
+
     /// A worker: takes keys until the queue closes.
     async fn work(self: Arc<Self>) {
         let s = &self.s;

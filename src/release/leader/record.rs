@@ -1,6 +1,7 @@
 //! One hold (a `Key::Record`): its countdown, and its release, write-back or drop when due.
 //! It remembers, per record, since when its entry has been missing, when its Pod was first
-//! seen gone, and whether it was reported as inconsistent.
+//! seen gone (its countdown's start, kept in [`Starts`] and flushed to the countdown
+//! ConfigMaps, not to the record), and whether it was reported as inconsistent.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -14,7 +15,9 @@ use tracing::{info, warn};
 
 use super::context::{Key, Shared, instant};
 use super::policy::PolicyWork;
+use super::starts::Starts;
 use crate::release::consistency;
+use crate::release::countdowns::Part;
 use crate::release::decide::{self, Action, Facts, PodState};
 use crate::release::writes::{RecordFate, ReleaseError};
 use crate::store::workloads::Owner;
@@ -23,10 +26,6 @@ use crate::store::workloads::Owner;
 struct Memory {
     /// Record → since when its entry has been missing.
     missing: HashMap<String, Timestamp>,
-    /// Record → (its uid, when the leader's stores first showed its Pod gone), until its
-    /// countdown is written: the countdown starts there, however long the hold waits for
-    /// a worker.
-    gone_seen: HashMap<String, (String, Timestamp)>,
     /// Records reported as inconsistent (by name: the uid reported).
     inconsistent: HashMap<String, String>,
     /// Record → (uid, resourceVersion) its last status write was made against. Whether
@@ -39,6 +38,10 @@ struct Memory {
 #[derive(Default)]
 pub struct RecordWork {
     memory: Mutex<Memory>,
+    /// Record → when the leader's stores first showed its Pod gone (for the record's UID),
+    /// unless its status carries `podGoneAt`: the countdown starts there, however long the
+    /// hold waits for a worker, and a next leader reads it back.
+    pub starts: Starts,
 }
 
 impl RecordWork {
@@ -50,38 +53,37 @@ impl RecordWork {
     pub fn forget(&self, name: &str) {
         let mut memory = self.memory();
         memory.missing.remove(name);
-        memory.gone_seen.remove(name);
         memory.inconsistent.remove(name);
         memory.written.remove(name);
+        drop(memory);
+        self.starts.remove(name);
     }
 
-    /// A store listed afresh: what was seen gone is seen again (or not) from here on.
-    pub fn relisted(&self) {
-        self.memory().gone_seen.clear();
-    }
-
-    /// Notes when the stores first showed `rec`'s Pod gone, while its countdown is not
-    /// written yet (`Facts::seen_gone`), and has the hold looked at when that countdown
-    /// runs out, even if it still waits behind a backlog of new holds by then; forgets it
-    /// if the Pod is back (a relist).
+    /// Notes when the stores first showed `rec`'s Pod gone, unless its status carries the
+    /// start (`Facts::seen_gone`), and has the hold looked at when that countdown runs
+    /// out, even if it still waits behind a backlog of new holds by then; forgets it if
+    /// the Pod is there (a relist showed it back).
     pub fn note_pod_gone(&self, s: &Shared, rec: &capo_api::ReservedIP) {
-        if rec.status.as_ref().is_some_and(|s| s.pod_gone_at.is_some()) {
+        // Another leader's (`--policy-prefix`): its countdowns are that leader's to keep.
+        if !s.in_scope(&rec.spec.policy) || rec.status.as_ref().is_some_and(|s| s.pod_gone_at.is_some()) {
             return;
         }
         let pod = s.pods.get(&rec.spec.pod.namespace, &rec.spec.pod.name);
+        let name = rec.name_any();
+        if decide::pod_state(rec, pod.as_deref()) != PodState::Gone {
+            self.starts.remove(&name);
+            return;
+        }
         let departed = s.pods.saw_depart(&rec.spec.pod.uid);
-        let gone = decide::pod_state(rec, pod.as_deref()) == PodState::Gone
-            && !decide::missing_too_soon(rec, pod.as_deref(), departed, Timestamp::now(), &s.settings.plan);
+        if decide::missing_too_soon(rec, pod.as_deref(), departed, Timestamp::now(), &s.settings.plan) {
+            return;
+        }
         let uid = rec.uid().unwrap_or_default();
-        let mut memory = self.memory();
-        if !gone {
-            memory.gone_seen.remove(&rec.name_any());
-        } else if memory.gone_seen.get(&rec.name_any()).is_none_or(|(u, _)| *u != uid) {
+        if self.starts.get(&name).is_none_or(|(u, _)| u != uid) {
             let now = Timestamp::now();
-            memory.gone_seen.insert(rec.name_any(), (uid, now));
-            drop(memory);
+            self.starts.start(&name, &uid, now, Part::of(rec));
             let due = decide::ttl_due(rec, now, &s.settings.plan);
-            s.queue.add_at(Key::Record(rec.name_any()), instant(due));
+            s.queue.add_at(Key::Record(name), instant(due));
         }
     }
 
@@ -126,12 +128,27 @@ impl RecordWork {
         );
         policies.note_left(&rec, pod.as_deref(), now);
         s.announcements.held(&rec);
+        let current = rec.status.clone().unwrap_or_default();
+        let mut status = decision.status.clone();
+        if current.pod_gone_at.is_none() {
+            // The countdown is kept with the starts (flushed to the countdown ConfigMaps),
+            // not written into the record: one write per shard and second, not per hold.
+            match (decide::pod_state(&rec, pod.as_deref()), &status.pod_gone_at) {
+                (PodState::Gone, Some(gone)) => {
+                    self.starts.start(&name, &rec.uid().unwrap_or_default(), gone.0, Part::of(&rec))
+                }
+                (PodState::Gone, None) => {}
+                _ => self.starts.remove(&name),
+            }
+            status.pod_gone_at = None;
+            status.release_at = None;
+        }
         // A hold first looked at once it is already due (it waited behind a storm of new
-        // holds) is released without writing the countdown it no longer needs: a worker
-        // held by that write would be one more delay for every release behind it.
+        // holds) is released without writing a status it no longer needs: a worker held by
+        // that write would be one more delay for every release behind it.
         let releasing = matches!(decision.action, Action::Release { .. } | Action::FallBack);
-        if !releasing && Some(&decision.status) != rec.status.as_ref() && decision.status != Default::default() {
-            self.write_status(s, &rec, &decision.status).await?;
+        if !releasing && status != current {
+            self.write_status(s, &rec, &status).await?;
         }
         match decision.action {
             Action::Wait(at) => Ok(at.map(instant)),
@@ -149,7 +166,7 @@ impl RecordWork {
                 Ok(None)
             }
             Action::FallBack => {
-                self.fall_back(s, &rec, decision.status).await?;
+                self.fall_back(s, &rec, status).await?;
                 Ok(None)
             }
             Action::Drop { reason, due } => {
@@ -176,6 +193,7 @@ impl RecordWork {
         if self.memory().written.get(&name) == Some(&version) {
             return Ok(());
         }
+        tracing::debug!(record = %name, current = ?rec.status, desired = ?status, "writing a hold's status");
         s.writes.status(rec, status).await?;
         self.memory().written.insert(name, version);
         Ok(())
@@ -239,7 +257,7 @@ impl RecordWork {
     }
 
     /// What this leader remembers of a hold: since when its entry has been missing (noted
-    /// now if it is), and when its Pod was seen gone (while its countdown is not written).
+    /// now if it is), and when its Pod was seen gone (unless its status says).
     fn remembered(
         &self,
         rec: &capo_api::ReservedIP,
@@ -248,15 +266,15 @@ impl RecordWork {
     ) -> (Option<Timestamp>, Option<Timestamp>) {
         let name = rec.name_any();
         let uid = rec.uid().unwrap_or_default();
-        let mut memory = self.memory();
-        let seen_gone = match memory.gone_seen.get(&name) {
-            Some((u, at)) if *u == uid && rec.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none()) => Some(*at),
+        let seen_gone = match self.starts.get(&name) {
+            Some((u, at)) if u == uid && rec.status.as_ref().is_none_or(|s| s.pod_gone_at.is_none()) => Some(at),
             Some(_) => {
-                memory.gone_seen.remove(&name);
+                self.starts.remove(&name);
                 None
             }
             None => None,
         };
+        let mut memory = self.memory();
         let missing_since = if entry_present {
             memory.missing.remove(&name);
             None

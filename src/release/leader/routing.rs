@@ -63,7 +63,6 @@ pub fn got<T: Clone>(r: Result<T, RecvError>) -> Option<Option<T>> {
 impl Leader {
     pub(super) fn enqueue_everything(&self) {
         let s = &self.s;
-        self.records.relisted();
         for name in s.records.all_names() {
             s.queue.add(Key::Record(name));
         }
