@@ -280,17 +280,22 @@ async fn sigkill_the_leader_during_a_storm_loses_no_hold_and_releases_each_ip_on
     assert!(policy_entries(&client, capo_api::CalicoApiGroup::CrdV1, &policy).await.is_empty());
 }
 
-/// The lateness bound after a leader loss: releases that fall due while no replica leads
-/// are carried out at most the Lease duration (3 s here) plus 2 s after they were due.
-#[tokio::test]
-async fn releases_due_while_the_leader_is_dead_are_late_by_at_most_the_lease_duration_and_two_seconds() {
-    let plane = private_plane("late", true);
+/// Two replicas on a private plane, a policy with `reserveFor: 4s`, and ten selected Pods.
+struct Lateness {
+    plane: PrivatePlane,
+    client: Client,
+    replicas: Vec<Replica>,
+    leader: String,
+    ips: Vec<IpAddr>,
+}
+
+async fn lateness_scene(plane: &str, ns: &str) -> Lateness {
+    let plane = private_plane(plane, true);
     let client = plane.client().await;
-    let ns = "lateness";
     prepare(&client, ns, json!({})).await;
     let policy = format!("{ns}-p");
     let launch = |identity| Launch { identity, kubeconfig: &plane.kubeconfig, clock_ahead: None };
-    let mut replicas = vec![spawn_replica(ns, launch("a")).await, spawn_replica(ns, launch("b")).await];
+    let replicas = vec![spawn_replica(ns, launch("a")).await, spawn_replica(ns, launch("b")).await];
     wait_called(&client, ns, &replicas.iter().collect::<Vec<_>>()).await;
     apply_policy(
         &client,
@@ -302,6 +307,23 @@ async fn releases_due_while_the_leader_is_dead_are_late_by_at_most_the_lease_dur
     .await;
     let leader = eventually("a leader", Duration::from_secs(30), || holder(&client, ns)).await;
     let ips = selected_pods(&client, ns, 10).await;
+    Lateness { plane, client, replicas, leader, ips }
+}
+
+/// SIGKILLs the replica `identity` and waits until it is gone.
+async fn sigkill(replicas: &mut Vec<Replica>, identity: &str) {
+    let i = replicas.iter().position(|r| r.identity == identity).unwrap();
+    let mut killed = replicas.remove(i);
+    killed.child.start_kill().unwrap();
+    let _ = killed.child.wait().await;
+}
+
+/// The lateness bound after a leader loss: releases that fall due while no replica leads
+/// are carried out at most the Lease duration (3 s here) plus 2 s after they were due.
+#[tokio::test]
+async fn releases_due_while_the_leader_is_dead_are_late_by_at_most_the_lease_duration_and_two_seconds() {
+    let ns = "lateness";
+    let Lateness { plane, client, mut replicas, leader, ips } = lateness_scene("late", ns).await;
     for i in 0..10 {
         delete_pod(&client, ns, &format!("redis-{i}")).await.expect("held and allowed");
     }
@@ -321,10 +343,7 @@ async fn releases_due_while_the_leader_is_dead_are_late_by_at_most_the_lease_dur
             .then_some(())
     })
     .await;
-    let i = replicas.iter().position(|r| r.identity == leader).unwrap();
-    let mut killed = replicas.remove(i);
-    killed.child.start_kill().unwrap();
-    let _ = killed.child.wait().await;
+    sigkill(&mut replicas, &leader).await;
     wait_all_released(&client, &ips, Duration::from_secs(30)).await;
     let audit = plane.audit();
     let mut worst: f64 = 0.0;
@@ -347,24 +366,8 @@ async fn releases_due_while_the_leader_is_dead_are_late_by_at_most_the_lease_dur
 /// (1 s) + the Lease duration (3 s) + 2 s.
 #[tokio::test]
 async fn countdowns_not_yet_flushed_when_the_leader_dies_start_late_never_early() {
-    let plane = private_plane("unflushed", true);
-    let client = plane.client().await;
     let ns = "unflushed";
-    prepare(&client, ns, json!({})).await;
-    let policy = format!("{ns}-p");
-    let launch = |identity| Launch { identity, kubeconfig: &plane.kubeconfig, clock_ahead: None };
-    let mut replicas = vec![spawn_replica(ns, launch("a")).await, spawn_replica(ns, launch("b")).await];
-    wait_called(&client, ns, &replicas.iter().collect::<Vec<_>>()).await;
-    apply_policy(
-        &client,
-        &policy,
-        ns,
-        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "4s",
-                "releaseInterval": "100ms", "releaseBatch": 100 }),
-    )
-    .await;
-    let leader = eventually("a leader", Duration::from_secs(30), || holder(&client, ns)).await;
-    let ips = selected_pods(&client, ns, 10).await;
+    let Lateness { plane, client, mut replicas, leader, ips } = lateness_scene("unflushed", ns).await;
     let left: Vec<Timestamp> = futures::future::join_all((0..10).map(|i| {
         let client = client.clone();
         async move {
@@ -373,10 +376,7 @@ async fn countdowns_not_yet_flushed_when_the_leader_dies_start_late_never_early(
         }
     }))
     .await;
-    let i = replicas.iter().position(|r| r.identity == leader).unwrap();
-    let mut killed = replicas.remove(i);
-    killed.child.start_kill().unwrap();
-    let _ = killed.child.wait().await;
+    sigkill(&mut replicas, &leader).await;
     let flushed = capo::release::countdowns::read(&client, Some("capo-system")).await.expect("read the countdowns");
     wait_all_released(&client, &ips, Duration::from_secs(40)).await;
     let audit = plane.audit();
