@@ -115,6 +115,9 @@ impl Starts {
                 }
                 inner.remove(&name);
                 inner.parts.entry(at_part.clone()).or_default().insert(name.clone());
+                // A ConfigMap anyone with rights in capo's namespace can edit is a claim: a
+                // start before the record existed (the API server's clock) is never taken.
+                let at = rec.metadata.creation_timestamp.as_ref().map_or(at, |c| at.max(c.0));
                 inner.by_record.insert(name, Start { uid, at, part: at_part });
                 taken += 1;
             }
