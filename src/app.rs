@@ -136,6 +136,8 @@ pub struct App {
     /// The certificate the webhook serves (tests look at its handshakes).
     pub serving: Arc<ServingCert>,
     tasks: Tasks,
+    /// Tells the release engine capo stops (it writes its last countdowns), and its task.
+    leading: Option<(tokio::sync::watch::Sender<bool>, Tasks)>,
     election: Option<Election>,
     /// Whether this replica may do leader-only work now (None: it never does).
     pub fence: Option<Fence>,
@@ -261,7 +263,9 @@ impl App {
         }
         info!("caches synced; ready");
 
+        let mut leading = None;
         if let (Some(release), Some(fence)) = (&settings.release, &fence) {
+            let (stop, stopping) = tokio::sync::watch::channel(false);
             let engine = ReleaseEngine {
                 client: leader_client.clone(),
                 reservations: Reservations::in_datastore(calico.leader_store.clone(), calico_api, index.clone())
@@ -274,8 +278,10 @@ impl App {
                 settings: release.engine.clone(),
                 metrics: metrics.clone(),
                 identity: release.identity.clone(),
+                stopping,
             };
-            tasks.push(tokio::spawn(lead(Arc::new(engine), fence.clone(), metrics.clone())));
+            let task = tokio::spawn(lead(Arc::new(engine), fence.clone(), metrics.clone()));
+            leading = Some((stop, Tasks(vec![task])));
         }
 
         let registered = register(&client, &settings, webhook_addr, ca_pem).await?;
@@ -293,6 +299,7 @@ impl App {
             server: Some(server),
             serving,
             tasks,
+            leading,
             election,
             fence,
             _cert_watcher: cert_watcher,
@@ -303,6 +310,18 @@ impl App {
     /// Gives up the Lease, removes a self-registered webhook configuration and stops
     /// serving.
     pub async fn shutdown(mut self) {
+        if let Some((stop, mut task)) = self.leading.take() {
+            // The leader writes the countdowns it has not written yet while it still holds
+            // the Lease (bounded: a stuck API server does not hold the shutdown up).
+            let _ = stop.send(true);
+            if let Some(t) = task.0.pop() {
+                let abort = t.abort_handle();
+                if tokio::time::timeout(LAST_FLUSH_LIMIT, t).await.is_err() {
+                    abort.abort();
+                    tracing::warn!(limit = ?LAST_FLUSH_LIMIT, "the leader's last countdown write did not end in time");
+                }
+            }
+        }
         drop(std::mem::take(&mut self.tasks));
         self.metrics.release.leader.set(0);
         if let Some(election) = self.election.take() {
@@ -541,10 +560,18 @@ async fn register(
     Ok(Some(reg.name.clone()))
 }
 
-/// Runs the release engine whenever this replica leads, and stops it the moment it does not.
+/// How long a shutdown waits for the leader's last countdown write.
+const LAST_FLUSH_LIMIT: Duration = Duration::from_secs(5);
+
+/// Runs the release engine whenever this replica leads, and stops it the moment it does not
+/// (or, once capo stops, after its last countdown write).
 async fn lead(engine: Arc<ReleaseEngine>, fence: Fence, metrics: Arc<Metrics>) {
+    let mut stopping = engine.stopping.clone();
     loop {
-        fence.acquired().await;
+        tokio::select! {
+            _ = fence.acquired() => {}
+            _ = stopping.wait_for(|s| *s) => return,
+        }
         metrics.release.leader.set(1);
         info!(identity = %engine.identity, "leading: releasing, repairing, safety net");
         tokio::select! {
@@ -553,6 +580,9 @@ async fn lead(engine: Arc<ReleaseEngine>, fence: Fence, metrics: Arc<Metrics>) {
         }
         metrics.release.leader.set(0);
         info!(identity = %engine.identity, "not leading");
+        if *engine.stopping.borrow() {
+            return;
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -296,6 +296,11 @@ pub struct Args {
     #[arg(long, env = "CAPO_WATCH_FAILURE_GRACE", default_value = "30s")]
     pub watch_failure_grace: capo_api::Duration,
 
+    /// How often, at most, the leader writes one shard's countdown starts (tests of the last
+    /// flush on shutdown set it long).
+    #[arg(long, env = "CAPO_COUNTDOWN_FLUSH_INTERVAL", default_value = "1s", hide = true)]
+    pub countdown_flush_interval: capo_api::Duration,
+
     /// TCP_NODELAY on the connections to the API server (off only to measure it: make bench).
     #[arg(long, env = "CAPO_API_TCP_NODELAY", default_value_t = true, action = clap::ArgAction::Set, hide = true)]
     pub api_tcp_nodelay: bool,
@@ -477,6 +482,7 @@ impl Args {
                 namespace: self.namespace.clone(),
                 workers: self.workers.max(1),
                 max_pool_share: self.max_pool_share,
+                flush_every: self.countdown_flush_interval.as_std(),
             },
         })
     }

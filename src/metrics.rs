@@ -157,6 +157,8 @@ impl TlsMetrics {
 pub struct ReleaseMetrics {
     /// IPs held now, by policy (records; set by the leader).
     pub held: IntGaugeVec,
+    /// Holds whose Pod is gone and whose countdown runs, by policy (set by the leader).
+    pub countdowns: IntGaugeVec,
     /// The policy's `maxReserved`.
     pub max_reserved: IntGaugeVec,
     /// Age of the oldest hold, by policy (computed at each scrape from `oldest`).
@@ -305,6 +307,10 @@ impl ReleaseMetrics {
         Self {
             owner_kinds,
             held: gauge("held_ips", "IPs held now, by policy (set by the leader)."),
+            countdowns: gauge(
+                "countdowns_running",
+                "Holds whose Pod is gone and whose countdown runs, by policy (set by the leader).",
+            ),
             max_reserved: gauge("max_reserved", "The policy's maxReserved."),
             oldest_age,
             oldest: Default::default(),

@@ -470,6 +470,114 @@ async fn d13_shutdown_hands_the_lease_over_within_two_seconds() {
     assert!(took <= Duration::from_secs(2), "b led {took:?} after a's shutdown began (the Lease lasts 15s)");
 }
 
+/// On shutdown (a rolling update, a drain) the leader writes the countdown starts it has
+/// not written yet before it gives the Lease up, so the next leader counts each hold from
+/// when its Pod left, not from its own first look. The periodic write runs once an hour
+/// here: every start the countdown ConfigMaps carry after the shutdown was written by the
+/// last one. The next leader takes those starts as they are (its own last write, on its
+/// shutdown, leaves them unchanged).
+#[tokio::test]
+async fn shutdown_writes_the_countdowns_not_written_yet_before_the_lease_is_given_up() {
+    let (client, ns) = setup("c-lastflush").await;
+    let name = ns.name.clone();
+    let hourly = |identity: &str| {
+        let mut s = leading_settings(&name, identity, Duration::from_secs(600));
+        s.release.as_mut().unwrap().engine.flush_every = Duration::from_secs(3600);
+        s
+    };
+    let a = start_capo_with(&client, &name, hourly("a")).await;
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1h" });
+    let Scene { client, ns, capo: a, policy } = scene_with(client, ns, a, spec).await;
+    let mut ips = Vec::new();
+    for i in 0..5 {
+        ips.push(selected_pod(&client, &ns.name, &format!("redis-{i}"), false).await);
+    }
+    let before = Timestamp::now();
+    for i in 0..5 {
+        delete_pod(&client, &ns.name, &format!("redis-{i}")).await.expect("held and allowed");
+    }
+    let needle = format!("capo_countdowns_running{{policy=\"{policy}\"}}");
+    eventually("the leader to count five holds down", Duration::from_secs(30), || async {
+        (metric_value(&a, &needle) == Some(5.0)).then_some(())
+    })
+    .await;
+    let counted = Timestamp::now();
+    let mut uids = Vec::new();
+    for ip in &ips {
+        let rec = Api::<ReservedIP>::all(client.clone())
+            .get(&capo_api::reserved_ip::record_name(*ip))
+            .await
+            .expect("the hold's record");
+        uids.push(rec.uid().expect("a stored record has a UID"));
+    }
+    let read = || capo::release::countdowns::read(&client, Some("default"));
+    let early = read().await.expect("read the countdowns");
+    assert!(
+        uids.iter().all(|u| !early.contains_key(u)),
+        "a countdown was written before the shutdown: the periodic write ran, and this test proves nothing"
+    );
+    a.shutdown().await;
+    let written = read().await.expect("read the countdowns");
+    for (ip, uid) in ips.iter().zip(&uids) {
+        let start = *written.get(uid).unwrap_or_else(|| panic!("{ip}: its countdown was not written on shutdown"));
+        assert!(
+            start >= before && start <= counted,
+            "{ip}: start {start} is not between the deletion ({before}) and the leader counting it ({counted})"
+        );
+    }
+    let b = start_capo_with(&client, &name, hourly("b")).await;
+    wait_leader(&b).await;
+    let b_counts = format!("capo_countdowns_running{{policy=\"{policy}\"}}");
+    eventually("the next leader to count the same five down", Duration::from_secs(30), || async {
+        (metric_value(&b, &b_counts) == Some(5.0)).then_some(())
+    })
+    .await;
+    // b's own last write carries whatever b changed: a leader that started the five anew
+    // at its first look would write its later starts here.
+    b.shutdown().await;
+    let after = read().await.expect("read the countdowns");
+    for (ip, uid) in ips.iter().zip(&uids) {
+        assert_eq!(after.get(uid), Some(&written[uid]), "{ip}: the next leader moved its countdown's start");
+    }
+}
+
+/// A countdown ConfigMap is a claim: anyone with ConfigMap rights in capo's namespace can
+/// edit it. A start forged to long before the hold existed is taken no earlier than the
+/// record's `creationTimestamp` (the API server's clock): the next leader releases the
+/// hold no earlier than `reserveFor` after its record was created, not at once.
+#[tokio::test]
+async fn a_forged_countdown_start_never_releases_a_hold_before_reserve_for_after_its_record() {
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "20s" });
+    let Scene { client, ns, capo: a, policy: _ } = scene("c-forged", Duration::from_secs(600), spec).await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
+    let held = wait_status(&client, ip).await;
+    a.shutdown().await;
+    let uid = held.uid().expect("a stored record has a UID");
+    let created = held.metadata.creation_timestamp.clone().expect("a stored record has a creationTimestamp").0;
+    let cms = capo::release::countdowns::list(&client, Some("default")).await.expect("read the countdowns");
+    let cm = cms
+        .iter()
+        .find(|cm| cm.data.as_ref().is_some_and(|d| d.contains_key(&uid)))
+        .expect("the hold's countdown was written");
+    Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), "default")
+        .patch(
+            &cm.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "data": { uid.clone(): "2000-01-01T00:00:00Z" } })),
+        )
+        .await
+        .expect("forge the start");
+    let b = start_leading(&client, &ns.name, "b", Duration::from_secs(600)).await;
+    wait_leader(&b).await;
+    let released = eventually("the hold released", Duration::from_secs(60), || async {
+        record(&client, ip).await.is_none().then(Timestamp::now)
+    })
+    .await;
+    let due = created.checked_add(SignedDuration::from_secs(20)).unwrap();
+    assert!(released >= due, "{ip} released at {released}, before its record's creation ({created}) + reserveFor 20s");
+}
+
 // ---- Also found in review: policy edits, multi-tenant caps, clear errors ----
 
 /// What an edit does to holds already made (docs/release.md): they keep the `reserveFor`

@@ -73,6 +73,9 @@ pub struct EngineSettings {
     pub max_pool_share: u32,
     /// capo's namespace (`--namespace`): where the countdown ConfigMaps are kept.
     pub namespace: String,
+    /// How often, at most, one shard's countdown starts are written
+    /// ([`countdowns::FLUSH_EVERY`]; longer only in tests of the last flush on shutdown).
+    pub flush_every: std::time::Duration,
 }
 
 impl Default for EngineSettings {
@@ -84,6 +87,7 @@ impl Default for EngineSettings {
             workers: 8,
             max_pool_share: DEFAULT_MAX_POOL_SHARE,
             namespace: "default".into(),
+            flush_every: countdowns::FLUSH_EVERY,
         }
     }
 }
@@ -100,6 +104,9 @@ pub struct ReleaseEngine {
     pub settings: EngineSettings,
     pub metrics: Arc<Metrics>,
     pub identity: String,
+    /// Turns true when capo shuts down: the leader writes the countdowns it has not
+    /// written yet, then stops (before the Lease is given up).
+    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// One term's release work: the shared context and each kind of work with its memory.
@@ -218,7 +225,7 @@ impl ReleaseEngine {
                 announcements,
                 self.settings.clone(),
             ),
-            records: RecordWork::default(),
+            records: RecordWork::new(starts::Starts::with_gauge(self.metrics.release.countdowns.clone())),
             policies: PolicyWork::default(),
             slots: SlotWork::default(),
             shards: ShardWork::default(),
@@ -242,8 +249,16 @@ impl ReleaseEngine {
         // Lease is lost (it selects on that too) before the line below runs.
         let _end = TermEnd { leader: leader.clone(), net };
         let _stop = AbortOnDrop(loops);
-        fence.lost().await;
-        info!("leader: lost the Lease; the release controller stops");
+        let mut stopping = self.stopping.clone();
+        let stopped = tokio::select! {
+            _ = fence.lost() => false,
+            r = stopping.wait_for(|s| *s) => r.is_ok(),
+        };
+        if stopped {
+            leader.last_flush().await;
+        } else {
+            info!("leader: lost the Lease; the release controller stops");
+        }
     }
 }
 
@@ -270,10 +285,25 @@ impl ReleaseEngine {
 }
 
 impl Leader {
-    /// Writes the countdown starts that changed, every [`countdowns::FLUSH_EVERY`].
+    /// On shutdown, while the Lease is still this replica's: writes the countdown starts
+    /// not written yet (after a flush in flight, if any), so the next leader counts from
+    /// them instead of from its first look.
+    async fn last_flush(&self) {
+        let s = &self.s;
+        match self.records.starts.flush(&s.client, &s.settings.namespace, &s.fence).await {
+            Ok(written) => info!(written, "leader: stopping; the countdowns are written"),
+            Err(e) => {
+                s.metrics.release.failures.with_label_values(&[&e.policy, "countdowns"]).inc();
+                warn!(error = %e, "leader: stopping; countdowns not written (the next leader starts them when it looks)");
+            }
+        }
+    }
+
+    /// Writes the countdown starts that changed, every `flush_every`
+    /// ([`countdowns::FLUSH_EVERY`]).
     async fn flush(self: Arc<Self>) {
         let s = &self.s;
-        let mut tick = tokio::time::interval(countdowns::FLUSH_EVERY);
+        let mut tick = tokio::time::interval(s.settings.flush_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
@@ -369,6 +399,7 @@ impl Drop for TermEnd {
         let s = &self.leader.s;
         s.queue.close();
         self.net.end();
+        self.leader.records.starts.unreport();
         for p in s.pools.iter().flat_map(|store| store.pools()) {
             s.metrics.release.pools.forget(&p.name);
         }

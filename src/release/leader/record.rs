@@ -45,6 +45,10 @@ pub struct RecordWork {
 }
 
 impl RecordWork {
+    pub fn new(starts: Starts) -> Self {
+        Self { memory: Mutex::default(), starts }
+    }
+
     fn memory(&self) -> MutexGuard<'_, Memory> {
         self.memory.lock().expect("record memory lock")
     }

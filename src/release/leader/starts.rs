@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client, ResourceExt};
+use prometheus::IntGaugeVec;
 use tracing::{debug, warn};
 
 use crate::leader::Fence;
@@ -33,11 +34,18 @@ struct Inner {
     /// Shards whose ConfigMap exists, as far as this leader knows (read or written): their
     /// next write is a replace, the others' a create.
     existing: BTreeSet<Part>,
+    /// Policy → how many of its holds count down (`capo_countdowns_running`).
+    running: HashMap<String, i64>,
 }
 
 #[derive(Default)]
 pub struct Starts {
     inner: Mutex<Inner>,
+    /// Held while a flush writes, so two flushes (the periodic one and the last one, on
+    /// shutdown) never write one shard out of order.
+    flushing: tokio::sync::Mutex<()>,
+    /// `capo_countdowns_running`, by policy.
+    gauge: Option<IntGaugeVec>,
 }
 
 /// Why a flush did not write everything (the rest is tried again at the next).
@@ -53,6 +61,27 @@ pub struct FlushError {
 }
 
 impl Starts {
+    /// Starts that report how many holds count down, by policy, on `gauge`.
+    pub fn with_gauge(gauge: IntGaugeVec) -> Self {
+        Self { gauge: Some(gauge), ..Default::default() }
+    }
+
+    /// Sets the gauge of `policy` from what is kept.
+    fn report(&self, inner: &Inner, policy: &str) {
+        if let Some(g) = &self.gauge {
+            g.with_label_values(&[policy]).set(inner.running.get(policy).copied().unwrap_or(0));
+        }
+    }
+
+    /// Takes this term's counts off the gauge (a follower counts nothing down).
+    pub fn unreport(&self) {
+        if let Some(g) = &self.gauge {
+            for policy in self.inner().running.keys() {
+                let _ = g.remove_label_values(&[policy]);
+            }
+        }
+    }
+
     fn inner(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().expect("countdown starts lock")
     }
@@ -69,15 +98,22 @@ impl Starts {
         if inner.by_record.get(record).is_some_and(|s| s.uid == uid) {
             return;
         }
-        inner.remove(record);
-        inner.parts.entry(part.clone()).or_default().insert(record.to_string());
+        let old = inner.remove(record);
         inner.dirty.insert(part.clone());
-        inner.by_record.insert(record.to_string(), Start { uid: uid.to_string(), at, part });
+        let policy = part.policy.clone();
+        inner.insert(record.to_string(), Start { uid: uid.to_string(), at, part });
+        if let Some(old) = old.filter(|o| *o != policy) {
+            self.report(&inner, &old);
+        }
+        self.report(&inner, &policy);
     }
 
     /// `record` is not counting down (its Pod is back or still there), or is gone.
     pub fn remove(&self, record: &str) {
-        self.inner().remove(record);
+        let mut inner = self.inner();
+        if let Some(policy) = inner.remove(record) {
+            self.report(&inner, &policy);
+        }
     }
 
     /// What a former leader flushed (`cms`, the countdown ConfigMaps of capo's namespace),
@@ -114,13 +150,16 @@ impl Starts {
                     inner.dirty.insert(at_part.clone());
                 }
                 inner.remove(&name);
-                inner.parts.entry(at_part.clone()).or_default().insert(name.clone());
                 // A ConfigMap anyone with rights in capo's namespace can edit is a claim: a
                 // start before the record existed (the API server's clock) is never taken.
                 let at = rec.metadata.creation_timestamp.as_ref().map_or(at, |c| at.max(c.0));
-                inner.by_record.insert(name, Start { uid, at, part: at_part });
+                inner.insert(name, Start { uid, at, part: at_part });
                 taken += 1;
             }
+        }
+        let policies: Vec<String> = inner.running.keys().cloned().collect();
+        for policy in policies {
+            self.report(&inner, &policy);
         }
         // Loading is not a change: only what differs from the objects is written back.
         taken
@@ -130,6 +169,7 @@ impl Starts {
     /// (deletes it once a shard has none), each after checking the fence. Returns how
     /// many were written; a failed write is tried again at the next flush.
     pub async fn flush(&self, client: &Client, namespace: &str, fence: &Fence) -> Result<usize, FlushError> {
+        let _one_at_a_time = self.flushing.lock().await;
         let dirty = std::mem::take(&mut self.inner().dirty);
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
         let mut written = 0;
@@ -173,15 +213,27 @@ impl Starts {
 }
 
 impl Inner {
-    fn remove(&mut self, record: &str) {
-        let Some(old) = self.by_record.remove(record) else { return };
+    fn insert(&mut self, record: String, start: Start) {
+        self.parts.entry(start.part.clone()).or_default().insert(record.clone());
+        *self.running.entry(start.part.policy.clone()).or_default() += 1;
+        self.by_record.insert(record, start);
+    }
+
+    /// Forgets `record`'s start; returns its policy if it had one.
+    fn remove(&mut self, record: &str) -> Option<String> {
+        let old = self.by_record.remove(record)?;
         if let Some(names) = self.parts.get_mut(&old.part) {
             names.remove(record);
             if names.is_empty() {
                 self.parts.remove(&old.part);
             }
         }
+        if let Some(n) = self.running.get_mut(&old.part.policy) {
+            *n -= 1;
+        }
+        let policy = old.part.policy.clone();
         self.dirty.insert(old.part);
+        Some(policy)
     }
 }
 
