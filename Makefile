@@ -61,33 +61,49 @@ lint: ## cargo fmt --check and clippy -D warnings
 tools: ## Install lua5.1 and promtool (Debian packages) if missing
 	@bash hack/tools.sh
 
-# The oldest Kubernetes capo supports (its webhook needs matchConditions, GA in 1.30).
-COMPAT_K8S ?= 1.30
+# The suite runner (hack/suite): the builds, lint, every test binary on Kubernetes 1.35 and
+# on the oldest supported (1.30), and the try-install paths, as many at once as fit
+# (CAPO_SUITE_JOBS), ending with a table of where the time went (target/suite/report.md).
+SUITE := target/debug/capo-suite
+
+.PHONY: suite
+suite:
+	@cargo build -q -p capo-suite
 
 .PHONY: test
-test: test-latest test-compat ## Run every test (unit, drift, integration) on Kubernetes 1.35, then on the oldest supported (1.30)
+test: suite ## Run every test (lint, unit, drift, integration on Kubernetes 1.35 and 1.30, try-install paths); ends with where the time went
+	@$(SUITE) run
 
 .PHONY: test-latest
-test-latest: controlplane argocd real-node tools ## Run every test on the default control plane (Kubernetes 1.35), the GitOps suite, the real node and the try-install paths included
-	CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
-	  CAPO_ARGOCD_DIR="$$(bash hack/build-argocd.sh 2>/dev/null | tail -n1)" \
-	  CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)" \
-	  CAPO_IMAGE="$$(cargo test --workspace --no-run >&2 && CAPO_BIN=target/debug/capo bash hack/build-image.sh | tail -n1)" \
-	  cargo test --workspace
-	CAPO_IMAGE="$$(CAPO_BIN=target/debug/capo bash hack/build-image.sh | tail -n1)" bash hack/test-try.sh
-
-.PHONY: test-try
-test-try: controlplane argocd real-node tools ## Run make try-helm, make try-argocd, make try-real-node and make try-sticky as a newcomer would (each on its own control plane, torn down after)
-	CAPO_IMAGE="$$(CAPO_IMAGE_PROFILE=dev bash hack/build-image.sh | tail -n1)" bash hack/test-try.sh
+test-latest: suite ## Every test on the default control plane (Kubernetes 1.35) only, with the try-install paths
+	@$(SUITE) run --k8s 1.35
 
 .PHONY: test-compat
-# The GitOps suite (tests/gitops.rs, a real Argo CD) and the real node (tests/real_node.rs,
-# its kubelet built for the default Kubernetes) run in test-latest only; here their tests
-# say they are skipped.
-test-compat: tools calico-ipam calico-apiserver ## Run every test on the oldest Kubernetes capo supports (COMPAT_K8S, default 1.30), but the GitOps suite and the real node
-	@CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh >/dev/null
-	CAPO_TESTENV_BIN="$$(CAPO_K8S=$(COMPAT_K8S) bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
-	  CAPO_SKIP_GITOPS=1 CAPO_SKIP_REAL_NODE=1 cargo test --workspace
+test-compat: suite ## The integration tests that run on the oldest Kubernetes capo supports (1.30) only
+	@$(SUITE) run --k8s 1.30 --no-lint
+
+.PHONY: test-try
+test-try: suite ## make try-helm, try-argocd, try-real-node and try-sticky as a newcomer would (each on its own control plane, torn down after)
+	@$(SUITE) run --only try
+
+.PHONY: test-plan
+test-plan: suite ## Print what make test runs: each step, what it needs, its weight
+	@$(SUITE) plan
+
+.PHONY: test-cold
+test-cold: ## CI as a new machine meets it: a fresh clone with every cache empty (hack/cold-run.sh); keeps its report for make test-report
+	bash hack/cold-run.sh
+
+.PHONY: test-report
+test-report: suite ## Rewrite docs/testing.md's timing section and the README's line from the last cold and warm reports (target/suite/)
+	@$(SUITE) docs
+
+# make test-<area>: one test binary (test-holds, test-holds@1.30), a group (test-admission,
+# test-calico, test-install, test-policies, test-release, test-sticky, test-real-node),
+# test-unit, test-lint; with the builds it needs. TEST_ARGS go to the test binaries
+# (a libtest filter: make test-holds TEST_ARGS=dry_run).
+test-%: suite
+	@$(SUITE) run --only $* $(if $(TEST_ARGS),-- $(TEST_ARGS))
 
 .PHONY: bench
 bench: controlplane ## Measure the admission path end to end on the local control plane; writes docs/performance.md
@@ -102,8 +118,10 @@ bench-calls: controlplane ## Count the API requests a burst of held deletions co
 	bash hack/bench-calls.sh
 
 .PHONY: testenv-up
+# CAPO_PREBUILT=1: target/debug has capo's binaries already (the suite runner built them
+# with its test build; a build of one package alone would compile its dependencies again).
 testenv-up: controlplane $(if $(TESTENV_REAL_NODE),real-node tools) ## Start the local control plane (TESTENV_REAL_NODE=1: with the real node); prints the export KUBECONFIG line
-	@cargo build -q -p capo-testenv
+	@$(if $(CAPO_PREBUILT),,cargo build -q -p capo-testenv)
 	@CAPO_TESTENV_BIN="$$(bash hack/build-controlplane.sh 2>/dev/null | tail -n1)" $(CALICO_IPAM_ENV) \
 	  $(if $(TESTENV_REAL_NODE),CAPO_REAL_NODE="$$(bash hack/build-real-node.sh 2>/dev/null | tail -n1)") \
 	  $(if $(TESTENV_REAL_NODE),CAPO_IMAGE="$${CAPO_IMAGE:-$$(CAPO_IMAGE_PROFILE=dev bash hack/build-image.sh | tail -n1)}") \
@@ -111,7 +129,7 @@ testenv-up: controlplane $(if $(TESTENV_REAL_NODE),real-node tools) ## Start the
 
 .PHONY: testenv-down
 testenv-down: ## Stop the local control plane and remove its state
-	@cargo build -q -p capo-testenv
+	@$(if $(CAPO_PREBUILT),,cargo build -q -p capo-testenv)
 	@target/debug/capo-testenv down --state-dir $(TESTENV_DIR)
 
 .PHONY: demo

@@ -44,10 +44,19 @@ real_node() {
   fi
 }
 
-try try-helm bash hack/try-install.sh chart
-try try-argocd bash hack/try-install.sh argocd
-try try-real-node real_node
-try try-sticky bash hack/try-real-node.sh sticky
+# With names (try-helm try-argocd try-real-node try-sticky), only those: the suite runner
+# (hack/suite) runs each as a step of its own.
+names=("$@")
+((${#names[@]})) || names=(try-helm try-argocd try-real-node try-sticky)
+for name in "${names[@]}"; do
+  case "$name" in
+    try-helm) try try-helm bash hack/try-install.sh chart ;;
+    try-argocd) try try-argocd bash hack/try-install.sh argocd ;;
+    try-real-node) try try-real-node real_node ;;
+    try-sticky) try try-sticky bash hack/try-real-node.sh sticky ;;
+    *) echo "test-try.sh: no install path $name (try-helm, try-argocd, try-real-node, try-sticky)" >&2; exit 2 ;;
+  esac
+done
 
 echo "try-installs: $passed passed, $failed failed"
 [[ $failed -eq 0 ]]

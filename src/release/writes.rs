@@ -74,8 +74,9 @@ impl RecordWrites {
         Self { api: Api::all(client), fence }
     }
 
-    /// Writes `status` if the record is still as read.
-    pub async fn status(&self, rec: &ReservedIP, status: &ReservedIPStatus) -> Result<(), ReleaseError> {
+    /// Writes `status` if the record is still as read; says whether it was written (not:
+    /// the record is gone or changed since, and the watch brings the news).
+    pub async fn status(&self, rec: &ReservedIP, status: &ReservedIPStatus) -> Result<bool, ReleaseError> {
         self.fence.check()?;
         let name = rec.name_any();
         let patch: json_patch::Patch = serde_json::from_value(json!([
@@ -84,9 +85,9 @@ impl RecordWrites {
         ]))
         .expect("static patch shape");
         match self.api.patch_status(&name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
             // Gone, or changed since: the watch brings the news and it is looked at again.
-            Err(KubeError::Api(s)) if matches!(s.code, 404 | 409 | 422) => Ok(()),
+            Err(KubeError::Api(s)) if matches!(s.code, 404 | 409 | 422) => Ok(false),
             Err(source) => Err(ReleaseError::Record { record: name, source }),
         }
     }

@@ -173,6 +173,30 @@ pub const CALICO_IPAM: &str = "capo-calico-ipam";
 /// ("kube-scheduler … bind: address already in use").
 const PORTS: std::ops::Range<u16> = 20_000..32_000;
 
+/// The ports this process may hand out: `CAPO_TESTENV_PORTS` (`<first>-<last>`), which
+/// the suite runner (hack/suite) sets to a range of its own for each test binary it runs
+/// at the same time as others, or [`PORTS`].
+fn port_range() -> std::ops::Range<u16> {
+    static RANGE: OnceLock<std::ops::Range<u16>> = OnceLock::new();
+    RANGE
+        .get_or_init(|| {
+            let Some(spec) = std::env::var("CAPO_TESTENV_PORTS").ok() else {
+                return PORTS;
+            };
+            match parse_port_range(&spec) {
+                Some(range) => range,
+                None => panic!("CAPO_TESTENV_PORTS={spec:?}: expected <first>-<last>, e.g. 20000-20999"),
+            }
+        })
+        .clone()
+}
+
+fn parse_port_range(spec: &str) -> Option<std::ops::Range<u16>> {
+    let (first, last) = spec.split_once('-')?;
+    let (first, last): (u16, u16) = (first.trim().parse().ok()?, last.trim().parse().ok()?);
+    (first > 0 && first < last && last < u16::MAX).then(|| first..last + 1)
+}
+
 /// A port nothing listens on now, not handed out before by this process.
 fn free_port() -> Result<u16, Error> {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
@@ -182,13 +206,14 @@ fn free_port() -> Result<u16, Error> {
     let mut x = (seed as u64)
         ^ ((std::process::id() as u64) << 32)
         ^ (given.len() as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let span = (PORTS.end - PORTS.start) as u64;
+    let range = port_range();
+    let span = (range.end - range.start) as u64;
     for _ in 0..1_000 {
         // xorshift64: enough to spread the picks of concurrent test processes.
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let port = PORTS.start + (x % span) as u16;
+        let port = range.start + (x % span) as u16;
         if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
             given.push(port);
             return Ok(port);
@@ -683,8 +708,20 @@ impl Shared {
 
 static SHARED: OnceLock<Shared> = OnceLock::new();
 static STATE_DIR: OnceLock<PathBuf> = OnceLock::new();
+/// The shared control plane's processes, stopped and reaped at exit.
+static SHARED_PIDS: OnceLock<Vec<libc::pid_t>> = OnceLock::new();
 
+/// At exit: kills the shared control plane's processes and waits for them, so that their
+/// CPU time counts in this test binary's own (what the suite runner reports, read with
+/// `wait4`), then removes the state.
 extern "C" fn remove_state_at_exit() {
+    for &pid in SHARED_PIDS.get().into_iter().flatten() {
+        // SAFETY: kill(2) and waitpid(2) on this process's own children.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+    }
     if let Some(dir) = STATE_DIR.get() {
         real_node::clean(dir);
         let _ = std::fs::remove_dir_all(dir);
@@ -723,6 +760,9 @@ pub fn shared_with(calico: Calico) -> &'static Shared {
                     eprintln!("capo-testenv: the control plane did not start ({e}); attempt {attempt}");
                     let _ = std::fs::remove_dir_all(&opts.state_dir);
                     started = ControlPlane::start_with(opts.clone(), calico);
+                }
+                if let Ok(cp) = &started {
+                    let _ = SHARED_PIDS.set(cp.pids().into_iter().map(|(_, pid)| pid as libc::pid_t).collect());
                 }
                 let result = started.as_ref().map(|cp| cp.kubeconfig.clone()).map_err(|e| e.to_string());
                 let _ = tx.send(result);
@@ -819,9 +859,18 @@ mod port_tests {
     use super::*;
 
     #[test]
+    fn a_port_range_is_two_ports_in_order() {
+        assert_eq!(parse_port_range("20000-20999"), Some(20_000..21_000));
+        assert_eq!(parse_port_range(" 21000 - 21001 "), Some(21_000..21_002));
+        for bad in ["", "20000", "20999-20000", "0-10", "20000-65535", "a-b", "20000-"] {
+            assert_eq!(parse_port_range(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice() {
         let ports: Vec<u16> = (0..200).map(|_| free_port().unwrap()).collect();
-        assert!(ports.iter().all(|p| PORTS.contains(p)), "{ports:?}");
+        assert!(ports.iter().all(|p| port_range().contains(p)), "{ports:?}");
         let distinct: std::collections::BTreeSet<&u16> = ports.iter().collect();
         assert_eq!(distinct.len(), ports.len());
     }

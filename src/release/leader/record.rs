@@ -213,6 +213,13 @@ impl RecordWork {
         mut status: capo_api::ReservedIPStatus,
     ) -> Result<(), ReleaseError> {
         s.fence.check()?;
+        // Fallen back already against this version: the store has not shown the written
+        // status yet (its watch lags under load), and a second look must not take the
+        // addresses back, write and count again.
+        let version = (rec.uid().unwrap_or_default(), rec.resource_version().unwrap_or_default());
+        if self.memory().written.get(&rec.name_any()) == Some(&version) {
+            return Ok(());
+        }
         let spec = &rec.spec;
         let (ns, name) = (&spec.pod.namespace, &spec.pod.name);
         // consistency::check has made sure spec.ip is an address.
@@ -223,7 +230,11 @@ impl RecordWork {
         if let Some(claim) = status.claim.as_mut() {
             claim.fell_back_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(Timestamp::now()));
         }
-        s.writes.status(rec, &status).await?;
+        if !s.writes.status(rec, &status).await? {
+            // Changed since it was read (or gone): looked at again when the watch shows it.
+            return Ok(());
+        }
+        self.memory().written.insert(rec.name_any(), version);
         let until = rec.claim().map(|c| c.until.0.to_string()).unwrap_or_default();
         warn!(record = %rec.name_any(), pod = %format!("{ns}/{name}"), ip = %spec.ip, took_back = taken.is_some(), "sticky: the Pod did not come up with its old address in time; it gets a new one, the old one stays held");
         // Counted whether or not a Pod of that name is there to take the addresses from
