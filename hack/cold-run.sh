@@ -19,21 +19,23 @@ cleanup() {
 }
 trap cleanup EXIT
 
-mkdir -p "$work/cache" "$work/go" "$work/cargo" "$work/tmp"
+mkdir -p "$work/cache" "$work/go" "$work/cargo"
 git clone -q "$repo" "$work/capo"
 # .ci/run expects ../shared beside the clone.
 if [[ -d "$repo/../shared" ]]; then ln -s "$(cd "$repo/../shared" && pwd)" "$work/shared"; fi
 echo "cold run of $(git -C "$work/capo" log --oneline -1) in $work"
 
 # cargo and rustup: the toolchain stays where rustup keeps it; only cargo's registry and
-# caches start empty.
+# caches start empty. TMPDIR stays the machine's: the real node's containerd puts its
+# sockets under the test's state directory there, and a unix socket's path may not be
+# longer than 104 bytes.
 cargo_bin="$(dirname "$(command -v cargo)")"
 start=$SECONDS
 status=0
 env -i PATH="$cargo_bin:/usr/local/go/bin:$PATH" HOME="$HOME" USER="${USER:-root}" TERM=dumb \
   RUSTUP_HOME="${RUSTUP_HOME:-$HOME/.rustup}" CARGO_HOME="$work/cargo" \
   XDG_CACHE_HOME="$work/cache" GOPATH="$work/go" GOMODCACHE="$work/go/pkg/mod" GOCACHE="$work/cache/go-build" \
-  TMPDIR="$work/tmp" CI=true CAPO_SUITE_COMMAND="CI=true bash .ci/run (cold: hack/cold-run.sh)" \
+  CI=true CAPO_SUITE_COMMAND="CI=true bash .ci/run (cold: hack/cold-run.sh)" \
   bash -c 'cd "$0" && bash .ci/run </dev/null' "$work/capo" || status=$?
 echo "cold run: .ci/run exited $status after $((SECONDS - start)) s"
 mkdir -p "$repo/target/suite"

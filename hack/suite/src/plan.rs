@@ -180,13 +180,6 @@ const BUILDS: &[Build] = &[
         needs: &[],
     },
     Build {
-        id: "image",
-        script: "hack/build-image.sh",
-        env: &[("CAPO_BIN", "target/debug/capo")],
-        provides: Some("CAPO_IMAGE"),
-        needs: &["cargo-tests"],
-    },
-    Build {
         id: "real-node",
         script: "hack/build-real-node.sh",
         env: &[],
@@ -224,6 +217,8 @@ pub struct Selection {
 pub enum PlanError {
     #[error("hack/suite's table names test binary {0:?}, which the workspace does not have (tests/{0}.rs?)")]
     UnknownBinary(String),
+    #[error("two steps are named {0:?}")]
+    Duplicate(String),
     #[error("--only {0:?} matches no step; areas: {1}")]
     UnknownArea(String, String),
 }
@@ -415,6 +410,11 @@ pub fn all_steps(targets: &[TestTarget], sel: &Selection) -> Result<Vec<Step>, P
         });
     }
     steps.extend(alone);
+    let mut ids: Vec<&str> = steps.iter().map(|s| s.id.as_str()).collect();
+    ids.sort();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(PlanError::Duplicate(w[0].to_string()));
+    }
     Ok(steps)
 }
 
