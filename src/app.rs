@@ -15,7 +15,9 @@ use tracing::info;
 use crate::admission::{Admission, AdmissionSettings};
 use crate::calico::etcd::{Etcd, EtcdConfig, EtcdError};
 use crate::calico::pools::{PoolStore, detect_ipam_api};
-use crate::calico::{Datastore, Detected, ReservationIndex, Reservations, ShardView, detect_calico_api};
+use crate::calico::{
+    Datastore, Detected, Follow, ReservationIndex, Reservations, ShardView, WritingGroup, detect_calico_api,
+};
 use crate::certs::managed::{Injected, ManagedError, ManagedSettings};
 use crate::certs::{self, CertError, ServingCert};
 use crate::health::{self, Readiness};
@@ -122,7 +124,10 @@ pub enum AppError {
 pub struct App {
     pub webhook_addr: SocketAddr,
     pub probe_addr: Option<SocketAddr>,
+    /// The group capo held in when it started.
     pub calico_api: CalicoApiGroup,
+    /// The group new holds go to now (moved by a datastore migration).
+    pub writing: WritingGroup,
     pub metrics: Arc<Metrics>,
     pub readiness: Arc<Readiness>,
     pub matcher: SharedMatcher,
@@ -174,6 +179,19 @@ impl App {
             tokio::spawn(pods.clone().watch(client.clone(), readiness.clone(), metrics.pod_events.clone())),
         ]);
         watch_reservations(&client, &calico, &watched, &index, &mut tasks);
+        // Where new holds go: the detected group, moved when a datastore migration moves
+        // what Calico reads (on Calico's etcd there is one group).
+        let writing = WritingGroup::new(calico_api);
+        if matches!(calico.store, Datastore::Kubernetes(_)) {
+            tasks.push(tokio::spawn(crate::calico::follow(Follow {
+                client: client.clone(),
+                writing: writing.clone(),
+                index: index.clone(),
+                watched: watched.clone(),
+                forced: settings.calico_api.is_some(),
+                gauges: metrics.calico.clone(),
+            })));
+        }
         // The epoch a new leader takes is above every epoch on capo's reservations (of the
         // policies it acts on: with a test's policy prefix, other capos' shards on the same
         // cluster carry epochs of other Leases).
@@ -215,10 +233,10 @@ impl App {
         let (serving, ca_pem, cert_watcher) = serving_cert(&client, &settings, &metrics, &mut tasks).await?;
 
         let restored = metrics.release.repairs.with_label_values(&["labels_restored"]);
-        let reservations = Reservations::in_datastore(calico.store.clone(), calico_api, index.clone())
+        let reservations = Reservations::writing_to(calico.store.clone(), writing.clone(), index.clone())
             .counting_restores(restored.clone())
             .with_epoch_seen(epoch_seen);
-        let pools = watch_pools(&client, &calico, &mut tasks).await;
+        let pools = watch_pools(&client, &calico, &writing, &mut tasks).await;
         let admission = Admission::new(
             matcher.clone(),
             pods.clone(),
@@ -268,7 +286,7 @@ impl App {
             let (stop, stopping) = tokio::sync::watch::channel(false);
             let engine = ReleaseEngine {
                 client: leader_client.clone(),
-                reservations: Reservations::in_datastore(calico.leader_store.clone(), calico_api, index.clone())
+                reservations: Reservations::writing_to(calico.leader_store.clone(), writing.clone(), index.clone())
                     .counting_restores(restored),
                 served: watched,
                 pods: pods.clone(),
@@ -289,6 +307,7 @@ impl App {
             webhook_addr,
             probe_addr,
             calico_api,
+            writing,
             metrics,
             readiness,
             matcher,
@@ -379,13 +398,18 @@ fn watch_reservations(
 
 /// Calico's IP pools, watched on every replica for the webhook (an address outside all
 /// of them is never held). `None` where Calico's pools are not served.
-async fn watch_pools(client: &Client, calico: &CalicoDatastore, tasks: &mut Tasks) -> Option<Arc<PoolStore>> {
+async fn watch_pools(
+    client: &Client,
+    calico: &CalicoDatastore,
+    writing: &WritingGroup,
+    tasks: &mut Tasks,
+) -> Option<Arc<PoolStore>> {
     let store = Arc::new(PoolStore::default());
     match &calico.store {
         Datastore::Etcd(etcd) => tasks.0.extend(store.watch_etcd_pools(etcd)),
         Datastore::Kubernetes(_) => {
-            let api_version = detect_ipam_api(client).await?;
-            tasks.0.extend(store.watch_pools(client, &api_version));
+            detect_ipam_api(client).await?;
+            tasks.push(store.follow(client, writing, false));
         }
     }
     Some(store)

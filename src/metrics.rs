@@ -49,6 +49,8 @@ pub struct Metrics {
     pub tls: TlsMetrics,
     /// The webhook's connections: open, and closed by capo's limits.
     pub connections: ConnectionMetrics,
+    /// What Calico's datastore looks like to capo (see [`crate::calico::follow`]).
+    pub calico: crate::calico::FollowGauges,
 }
 
 /// The webhook's connections (see [`crate::server::ConnectionLimits`]).
@@ -191,9 +193,13 @@ pub struct ReleaseMetrics {
     pub safety_net_holds: IntCounterVec,
     /// Pods the safety net saw too late: their IP was already another Pod's.
     pub safety_net_lost_races: IntCounterVec,
-    /// Claims that ran out: handed-back addresses no Pod came up with within
-    /// `fallbackAfter` (taken back from the Pod, if there is one), by policy.
+    /// Claims that ended before a Pod came up with the handed-back addresses (taken back
+    /// from the Pod, if there is one), by policy and reason (not_shown, bound_reached,
+    /// released, workload_gone).
     pub sticky_fallbacks: IntCounterVec,
+    /// Times read back later than the leader's clock plus the skew allowance, taken as
+    /// now, by field (countdownStart, status.podGoneAt, spec.reservedAt, ...).
+    pub clock_ahead: IntCounterVec,
     /// Pods the safety net remembers having dealt with (at most the Pods that exist).
     pub safety_net_remembered: prometheus::IntGauge,
     /// Kinds of Pod owners the leader watches, by state (watched, starting, unavailable:
@@ -343,8 +349,13 @@ impl ReleaseMetrics {
             safety_net_holds: counter("safety_net_holds_total", "Holds written by the safety net.", &["policy"]),
             sticky_fallbacks: counter(
                 "sticky_fallbacks_total",
-                "Claims that ran out: handed-back addresses no Pod came up with in time (taken back from the Pod, if there is one).",
-                &["policy"],
+                "Claims that ended before a Pod came up with the handed-back addresses (taken back from the Pod, if there is one), by reason.",
+                &["policy", "reason"],
+            ),
+            clock_ahead: counter(
+                "clock_ahead_total",
+                "Times read back later than the leader's clock plus the skew allowance (taken as now), by field.",
+                &["field"],
             ),
             safety_net_lost_races: counter(
                 "safety_net_lost_races_total",
@@ -464,7 +475,23 @@ impl Metrics {
         let release = ReleaseMetrics::new(&registry);
         let tls = TlsMetrics::new(&registry);
         let connections = ConnectionMetrics::new(&registry);
+        let gauge = |name: &str, help: &str| {
+            let g = prometheus::IntGauge::new(name, help).expect("static metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let calico = crate::calico::FollowGauges {
+            locked: gauge(
+                "calico_datastore_locked",
+                "1 while a Calico datastore migration holds Calico's datastore locked.",
+            ),
+            moved: gauge(
+                "calico_api_moved",
+                "1 while Calico's components read another API group than the one capo writes holds to (restart capo).",
+            ),
+        };
         Self {
+            calico,
             release,
             tls,
             connections,

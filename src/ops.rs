@@ -23,6 +23,8 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
+use crate::release::decide::FallBackReason;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
     Table,
@@ -92,7 +94,18 @@ fn due_in(now: Timestamp, r: &ReservedIP) -> String {
 /// back, or never to be handed back (a forced deletion).
 fn sticky(now: Timestamp, r: &ReservedIP) -> String {
     match r.claim() {
-        Some(c) if c.fell_back_at.is_some() => "fell back".into(),
+        Some(c) if c.fell_back_at.is_some() => {
+            match c.fell_back_reason.as_deref().and_then(FallBackReason::from_field) {
+                Some(FallBackReason::NotShown) => "fell back (not shown in time)".into(),
+                Some(FallBackReason::BoundReached) => format!("fell back (claim bound, {} renewals)", c.renewals),
+                Some(FallBackReason::Released) => "fell back (released)".into(),
+                Some(FallBackReason::WorkloadGone) => "fell back (workload gone)".into(),
+                None => "fell back".into(),
+            }
+        }
+        Some(c) if c.pending(now) && c.renewals > 0 => {
+            format!("claimed, {} left ({} renewals)", human(since(c.until.0, now)), c.renewals)
+        }
         Some(c) if c.pending(now) => format!("claimed, {} left", human(since(c.until.0, now))),
         Some(_) => "claim expired".into(),
         None if r.spec.forced => "no (forced deletion)".into(),
@@ -251,7 +264,7 @@ impl std::fmt::Display for PoolShare {
 /// Each policy's holds per Calico IP pool (nothing when Calico's IPAM blocks are not served
 /// here), counted as the leader's pool guard counts them.
 async fn pool_shares(client: &Client, records: &[ReservedIP]) -> Result<BTreeMap<String, Vec<PoolShare>>, OpsError> {
-    let Some(api_version) = crate::calico::pools::detect_ipam_api(client).await else { return Ok(BTreeMap::new()) };
+    let Some(api_version) = crate::calico::pools::calico_ipam_api(client).await else { return Ok(BTreeMap::new()) };
     let store = crate::calico::pools::PoolStore::list(client, &api_version)
         .await
         .map_err(|e| OpsError::api(format!("listing Calico's IP pools and IPAM blocks ({api_version})"), e))?;

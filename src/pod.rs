@@ -246,6 +246,20 @@ impl PodFacts {
     /// Whether capo is done with this very Pod (this UID): its hold was released while the
     /// object stayed, or the safety net found its IPs taken. Such a Pod is never held again.
     /// The annotation counts only if it names this Pod's UID (a copy on another Pod does not).
+    /// A KubeVirt VM's launcher Pod (controlled by a `VirtualMachineInstance`, or labelled
+    /// `kubevirt.io=virt-launcher`). Calico 3.32+ keeps a VM's address through its
+    /// launcher Pod's deletion while the VM lives (`kubeVirtVMAddressPersistence`, on by
+    /// default): the address is not freed, so there is nothing for capo to hold, and a
+    /// hold would count it twice against its pool.
+    pub fn is_kubevirt_vm(&self) -> bool {
+        let launcher = self.labels.get("kubevirt.io").is_some_and(|v| v == "virt-launcher");
+        let vmi = self.controller.as_ref().is_some_and(|c| {
+            c.kind == "VirtualMachineInstance"
+                && c.api_version.as_deref().is_some_and(|v| v.starts_with("kubevirt.io/"))
+        });
+        launcher || vmi
+    }
+
     pub fn hold_done(&self) -> Option<&'static str> {
         [(capo_api::keys::RELEASED_ANNOTATION, "released"), (capo_api::keys::NOT_HELD_ANNOTATION, "not_held")]
             .into_iter()

@@ -5,10 +5,12 @@ mod support;
 
 use std::time::Duration;
 
+use capo_api::CalicoApiGroup;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, EvictParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
+use support::leading::wait_metric;
 use support::*;
 
 /// A metric of `app`; 0 when it has not been counted yet.
@@ -486,4 +488,31 @@ async fn the_recreated_pod_gets_a_new_ip() {
     .await;
     assert_ne!(new_ip, old_ip, "the recreated Pod got a new IP; the old one stays held");
     assert!(record(&client, old_ip).await.is_some());
+}
+
+/// A KubeVirt VM's launcher Pod, as KubeVirt creates it (`kubevirt.io=virt-launcher`, the
+/// VM's name label), under a policy that selects every Pod: its deletion is allowed with
+/// no hold (Calico 3.32+ keeps the VM's address while the VM lives), counted as
+/// `kubevirt_vm`; a plain Pod beside it is held.
+#[tokio::test]
+async fn a_kubevirt_vms_launcher_pod_is_not_held() {
+    let (client, ns) = setup("adm-kubevirt").await;
+    let capo = start_capo(&client, &[&ns.name], None).await;
+    let policy = format!("{}-p", ns.name);
+    apply_policy(&client, &policy, &ns.name, json!({ "podSelector": {} })).await;
+    let (vm_ip, plain_ip) = (Ips::v4(), Ips::v4());
+    let launcher = unscheduled_pod(
+        "virt-launcher-vm1-abcde",
+        &[("kubevirt.io", "virt-launcher"), ("vm.kubevirt.io/name", "vm1")],
+        &[("kubevirt.io/domain", "vm1")],
+    );
+    create_pod_with_ips(&client, &ns.name, launcher, &[vm_ip]).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("plain", &[], &[]), &[plain_ip]).await;
+    delete_pod(&client, &ns.name, "virt-launcher-vm1-abcde").await.expect("allowed");
+    delete_pod(&client, &ns.name, "plain").await.expect("allowed, held");
+    wait_metric(&capo, "capo_admission_skipped_total{reason=\"kubevirt_vm\"}", 1.0).await;
+    eventually("the plain Pod held", Duration::from_secs(20), || async { record(&client, plain_ip).await }).await;
+    assert!(record(&client, vm_ip).await.is_none(), "no hold for the VM's address");
+    let entries = policy_entries(&client, CalicoApiGroup::CrdV1, &policy).await;
+    assert!(!entries.contains(&cidr(vm_ip)) && entries.contains(&cidr(plain_ip)), "{entries:?}");
 }

@@ -58,6 +58,20 @@ async fn met_by_the_api_server(client: &Client, ns: &str, capo: &capo::App, seri
     panic!("the API server never completed a handshake with certificate {serial}");
 }
 
+/// Waits until every one of `capos` serves the certificate the Secret holds at that
+/// moment, and returns it. With certificates of a few seconds the Secret is renewed
+/// while this waits: each look reads it again, so a renewal just after the caller's last
+/// look settles on the newer certificate instead of waiting for one capo no longer
+/// serves.
+async fn serving_the_secret(client: &Client, ns: &str, secret: &str, capos: &[&capo::App]) -> Material {
+    eventually(&format!("capo to serve what Secret {secret} holds"), Duration::from_secs(15), || async {
+        let m = material(client, ns, secret).await;
+        let leaf = m.leaf_info().serial.clone();
+        capos.iter().all(|c| c.serving.current().is_some_and(|s| s.info.serial == leaf)).then_some(m)
+    })
+    .await
+}
+
 async fn wait_serving(capo: &capo::App, serial: &str) {
     eventually(&format!("capo to serve {serial}"), Duration::from_secs(15), || async {
         (capo.serving.current()?.info.serial == serial).then_some(())
@@ -190,6 +204,17 @@ struct Seen {
     bundle: Vec<String>,
 }
 
+impl Seen {
+    fn of(m: &Material) -> Self {
+        Seen {
+            leaf: m.leaf_info().serial.clone(),
+            signer: m.signer_info().serial.clone(),
+            next: m.next_info().map(|n| n.serial.clone()),
+            bundle: m.bundle_info().iter().map(|c| c.serial.clone()).collect(),
+        }
+    }
+}
+
 #[tokio::test]
 async fn self_managed_certificates_are_renewed_and_their_ca_rotated_with_no_review_failing() {
     let (client, ns) = setup("certs-rotate").await;
@@ -203,28 +228,36 @@ async fn self_managed_certificates_are_renewed_and_their_ca_rotated_with_no_revi
     let mut failures = Vec::new();
     let start = Instant::now();
     let mut probes = 0;
-    while start.elapsed() < Duration::from_secs(32) {
+    // One probe (its failure noted), then the Secret's state (noted when it changed).
+    let look = async |states: &mut Vec<Seen>, failures: &mut Vec<String>, probes: &mut usize| -> Seen {
         if let Err(e) = probe(&client, &ns.name).await {
             failures.push(format!("at {:?}: {e}", start.elapsed()));
         }
-        probes += 1;
-        let m = material(&client, &ns.name, secret).await;
-        let seen = Seen {
-            leaf: m.leaf_info().serial.clone(),
-            signer: m.signer_info().serial.clone(),
-            next: m.next_info().map(|n| n.serial.clone()),
-            bundle: m.bundle_info().iter().map(|c| c.serial.clone()).collect(),
-        };
+        *probes += 1;
+        let seen = Seen::of(&material(&client, &ns.name, secret).await);
         if states.last() != Some(&seen) {
-            states.push(seen);
+            states.push(seen.clone());
         }
+        seen
+    };
+    while start.elapsed() < Duration::from_secs(32) {
+        look(&mut states, &mut failures, &mut probes).await;
         // Pacing of the probes; the assertions are below.
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // The last certificate, too, must be met.
-    let last = states.last().unwrap().clone();
-    wait_serving(&capo, &last.leaf).await;
-    met_by_the_api_server(&client, &ns.name, &capo, &last.leaf).await;
+    // The last certificates, too, must be met. Renewals go on meanwhile (every 4 s): the
+    // probes go on until the API server has met every certificate seen so far and the
+    // one the Secret holds now is served and met (it lives 4 s, probes come every 100 ms).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let seen = look(&mut states, &mut failures, &mut probes).await;
+        let served = capo.serving.current().is_some_and(|s| s.info.serial == seen.leaf);
+        if served && states.iter().all(|s| capo.serving.handshakes_with(&s.leaf) > 0) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the API server did not meet every certificate within 20 s: {states:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert!(failures.is_empty(), "{} of {probes} reviews failed during rotation: {failures:#?}", failures.len());
 
     let first = &states[0];
@@ -293,9 +326,7 @@ async fn replicas_share_one_secret_without_fighting() {
         probe(&client, &ns.name).await.expect("every review passes");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    let m = material(&client, &ns.name, secret).await;
-    wait_serving(&a, &m.leaf_info().serial).await;
-    wait_serving(&b, &m.leaf_info().serial).await;
+    serving_the_secret(&client, &ns.name, secret, &[&a, &b]).await;
     let total: f64 = [&a, &b]
         .iter()
         .map(|c| writes(c, "created") + writes(c, "certificate_renewed") + writes(c, "certificate_reissued"))

@@ -578,6 +578,53 @@ async fn a_forged_countdown_start_never_releases_a_hold_before_reserve_for_after
     assert!(released >= due, "{ip} released at {released}, before its record's creation ({created}) + reserveFor 20s");
 }
 
+/// A start read back later than now (a former leader's clock a day ahead, or an edit) is
+/// not believed: counted from it, the hold would stay a day. The next leader takes it as
+/// the moment it read it, says so (`capo_clock_ahead_total{field="countdownStart"}`, a
+/// warning naming the record) and releases `reserveFor` after that: late by the handover,
+/// never early, never a day.
+#[tokio::test]
+async fn a_countdown_start_a_day_ahead_is_taken_as_now_and_the_hold_leaves_on_time() {
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "20s" });
+    let Scene { client, ns, capo: a, policy: _ } = scene("c-ahead", Duration::from_secs(600), spec).await;
+    let ip = selected_pod(&client, &ns.name, "redis-0", false).await;
+    let deleted = Timestamp::now();
+    delete_pod(&client, &ns.name, "redis-0").await.expect("held and allowed");
+    let held = wait_status(&client, ip).await;
+    a.shutdown().await;
+    let uid = held.uid().expect("a stored record has a UID");
+    let cms = capo::release::countdowns::list(&client, Some("default")).await.expect("read the countdowns");
+    let cm = cms
+        .iter()
+        .find(|cm| cm.data.as_ref().is_some_and(|d| d.contains_key(&uid)))
+        .expect("the hold's countdown was written");
+    let ahead = Timestamp::now().checked_add(SignedDuration::from_hours(24)).unwrap();
+    Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), "default")
+        .patch(
+            &cm.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "data": { uid.clone(): ahead.to_string() } })),
+        )
+        .await
+        .expect("move the start a day ahead");
+    let b = start_leading(&client, &ns.name, "b", Duration::from_secs(600)).await;
+    wait_leader(&b).await;
+    let leading = Timestamp::now();
+    let released = eventually("the hold released", Duration::from_secs(60), || async {
+        record(&client, ip).await.is_none().then(Timestamp::now)
+    })
+    .await;
+    let earliest = deleted.checked_add(SignedDuration::from_secs(20)).unwrap();
+    let latest = leading.checked_add(SignedDuration::from_secs(20 + 5)).unwrap();
+    assert!(released >= earliest, "{ip} released at {released}, before its deletion ({deleted}) + reserveFor 20s");
+    assert!(
+        released <= latest,
+        "{ip} released at {released}, later than the takeover ({leading}) + reserveFor 20s + 5s"
+    );
+    let warned = metric_value(&b, "capo_clock_ahead_total{field=\"countdownStart\"}");
+    assert_eq!(warned, Some(1.0), "the start ahead of the clock is reported once");
+}
+
 // ---- Also found in review: policy edits, multi-tenant caps, clear errors ----
 
 /// What an edit does to holds already made (docs/release.md): they keep the `reserveFor`

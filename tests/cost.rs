@@ -17,10 +17,14 @@ use support::leading::*;
 use support::*;
 
 /// `(method, resource[/subresource])` of a logged request, or `None` for what is not per
-/// hold: watches, lists, the Lease, Events (a summary per policy and burst).
+/// hold: watches, lists, the Lease, Events (a summary per policy and burst), Calico's
+/// migration state.
 fn kind(method: &axum::http::Method, path: &str) -> Option<String> {
     let (path, query) = path.split_once('?').unwrap_or((path, ""));
-    if query.contains("watch=") || path.contains("/leases") || path.contains("/events") {
+    // Calico's migration state (the APIService, each group's ClusterInformation) is a
+    // look every 5 s, not a request of a hold.
+    let migration = path.contains("/clusterinformations/") || path.contains("/apiservices/");
+    if query.contains("watch=") || path.contains("/leases") || path.contains("/events") || migration {
         return None;
     }
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();

@@ -102,13 +102,24 @@ async fn a_request_whose_member_stops_answering_is_answered_by_another_within_it
     // Member 0 answers while all is well, and stays the one asked first.
     assert!(etcd.get(&key).await.expect("read").is_some());
     cluster.pause(0);
-    let asked = Instant::now();
-    let kv = etcd.get(&key).await.expect("answered by another member");
-    let took = asked.elapsed();
+    // A request may still be answered by member 0 just after the pause (seen: 1.3 ms, and
+    // the next request then waited its 2 s): asked again until one has waited for member 0
+    // and gone on to another, each within its bound.
+    let mut moved = false;
+    for _ in 0..3 {
+        let asked = Instant::now();
+        let kv = etcd.get(&key).await.expect("answered by another member");
+        let took = asked.elapsed();
+        eprintln!("answered {took:.1?} after asking, member 0 paused");
+        assert!(kv.is_some_and(|kv| kv.key == key));
+        assert!(took < Duration::from_secs(4), "answered only after {took:?}");
+        if took >= Duration::from_secs(1) {
+            moved = true;
+            break;
+        }
+    }
     cluster.resume(0);
-    eprintln!("answered {took:.1?} after asking, member 0 paused");
-    assert!(kv.is_some_and(|kv| kv.key == key));
-    assert!(took < Duration::from_secs(4), "answered only after {took:?}");
+    assert!(moved, "no request ever waited for the paused member: it never paused");
     // The next request goes to the member that answered, at once.
     cluster.pause(0);
     let asked = Instant::now();

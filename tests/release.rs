@@ -262,6 +262,44 @@ async fn a_backlog_of_slow_writes_neither_starts_countdowns_late_nor_delays_rele
     assert!(*last <= Duration::from_secs(7), "each released when its own countdown ran out: {released:?}");
 }
 
+/// The leader's deletion of a released hold's record gets no answer: once after it landed
+/// (the connection closes before the answer), once before it was sent. Either way the record
+/// goes, the release is counted once, and the next hold is released as usual. On af805d7 a
+/// lost answer left the release uncounted (the scale test waited for its count in vain)
+/// and a dropped request left the record behind with its entry gone.
+#[tokio::test]
+async fn a_record_deletion_that_gets_no_answer_is_read_back_and_counted_once() {
+    use axum::http::Method;
+    use support::faults::{Fault, FaultProxy, Rule};
+    let (client, ns) = setup("rel-lost").await;
+    let proxy = FaultProxy::start(client.clone()).await;
+    let capo =
+        start_capo_with(&proxy.client(), &ns.name, leading_settings(&ns.name, "a", Duration::from_secs(600))).await;
+    let spec =
+        json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "1s", "releaseInterval": "100ms" });
+    let Scene { client, ns, capo, policy } = scene_with(client, ns, capo, spec).await;
+    let ttl = format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}");
+    let cases = [("answer lost after the deletion landed", Fault::DropAnswer), ("request dropped", Fault::Drop)];
+    for (i, (what, fault)) in cases.into_iter().enumerate() {
+        let pod = format!("redis-{i}");
+        let ip = selected_pod(&client, &ns.name, &pod, false).await;
+        proxy.set(vec![Rule::new(Method::DELETE, "/reservedips/", fault).times(1)]);
+        let injected = proxy.injected();
+        delete_pod(&client, &ns.name, &pod).await.expect("deletion allowed");
+        wait_released(&client, ip, Duration::from_secs(20)).await;
+        assert_eq!(proxy.injected(), injected + 1, "{what}: the fault fired");
+        assert!(!entries(&client, &policy).await.contains(&cidr(ip)), "{what}: the entry is out");
+        // Counted once: exactly i + 1 releases, and it stays so.
+        assert_eq!(wait_metric(&capo, &ttl, (i + 1) as f64).await, (i + 1) as f64, "{what}");
+    }
+    proxy.clear();
+    // Nothing counted twice once the retries settle.
+    let ip = selected_pod(&client, &ns.name, "redis-last", false).await;
+    delete_pod(&client, &ns.name, "redis-last").await.expect("deletion allowed");
+    wait_released(&client, ip, Duration::from_secs(20)).await;
+    assert_eq!(wait_metric(&capo, &ttl, 3.0).await, 3.0);
+}
+
 #[tokio::test]
 async fn two_replicas_elect_one_leader_and_the_other_takes_over() {
     let (client, ns) = setup("rel-ha").await;

@@ -81,6 +81,14 @@ impl CalicoApiGroup {
         }
     }
 
+    /// The other of the two groups.
+    pub fn other(self) -> Self {
+        match self {
+            Self::CrdV1 => Self::V3,
+            Self::V3 => Self::CrdV1,
+        }
+    }
+
     pub fn api_version(self) -> String {
         format!("{}/{}", self.group(), self.version())
     }

@@ -240,7 +240,8 @@ pub struct Sticky {
     pub enabled: bool,
     /// How long the recreated Pod may take to come up with its old addresses. Past it capo
     /// removes the annotation, so the Pod gets new addresses, and the old ones stay held
-    /// for the rest of their time.
+    /// for the rest of their time. Also the bound of a hold's claims: however often the Pod
+    /// is created again, they end this long after the first.
     #[serde(default = "default_sticky_fallback_after")]
     #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('5s')").message("sticky.fallbackAfter must be at least 5s"))]

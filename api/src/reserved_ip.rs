@@ -204,20 +204,43 @@ pub struct ReservedIPStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct StickyClaim {
-    /// When capo's webhook handed the address back.
+    /// When capo's webhook handed the address back (the latest time).
     pub at: MicroTime,
     /// Until when the Pod may take to show it; past it capo falls back.
     pub until: MicroTime,
+    /// When the hold was first claimed; a renewal (the Pod created again before it showed
+    /// the address) keeps it. However often it is renewed, a hold's claim ends at most
+    /// `fallbackAfter` after this. Absent on claims written before capo had the bound:
+    /// `at` stands in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_at: Option<MicroTime>,
+    /// How many times a CREATE renewed the claim.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub renewals: u32,
     /// When capo fell back: the Pod did not show the address in time, its annotation was
     /// removed, and the hold runs its course. A claim that fell back is never made again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fell_back_at: Option<MicroTime>,
+    /// Why it fell back: `NotShown` (no Pod showed the address by `until`),
+    /// `BoundReached` (renewed until `firstAt` + `fallbackAfter`), `Released` (an
+    /// operator's `capo release`), `WorkloadGone` (its workload or namespace was deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back_reason: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl StickyClaim {
     /// Whether the claim still protects the hold at `now`.
     pub fn pending(&self, now: k8s_openapi::jiff::Timestamp) -> bool {
         self.fell_back_at.is_none() && now < self.until.0
+    }
+
+    /// When the hold was first claimed.
+    pub fn first(&self) -> k8s_openapi::jiff::Timestamp {
+        self.first_at.as_ref().unwrap_or(&self.at).0
     }
 }
 

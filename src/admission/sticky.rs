@@ -70,7 +70,12 @@ pub(super) enum Passed {
     SafetyNet,
     Forced,
     FellBack,
+    /// The hold's claims reached their bound (`fallbackAfter` after the first claim).
+    ClaimBound,
     PoolNodeSelector,
+    /// The pool no longer gives addresses to Pods (`allowedUses` without `Workload`): Calico
+    /// 3.33's CNI plugin would refuse the named address, and the Pod would not start.
+    PoolNotForWorkloads,
     /// One of the old Pod's addresses is no longer held (a dual-stack Pod's other family).
     FamilyNotHeld,
     NodeNotReady,
@@ -93,7 +98,9 @@ impl Passed {
             Self::SafetyNet => "safety_net_hold",
             Self::Forced => "forced_deletion",
             Self::FellBack => "fell_back_before",
+            Self::ClaimBound => "claim_bound_reached",
             Self::PoolNodeSelector => "pool_node_selector",
+            Self::PoolNotForWorkloads => "pool_not_for_workloads",
             Self::FamilyNotHeld => "address_not_held",
             Self::NodeNotReady => "node_not_ready",
             Self::Unreadable => "unreadable",
@@ -233,11 +240,35 @@ impl Admission {
             if r.spec.forced {
                 return passed(Passed::Forced);
             }
-            if r.claim().is_some_and(|c| c.fell_back_at.is_some() || !c.pending(now)) {
-                return passed(Passed::FellBack);
+            if let Some(c) = r.claim() {
+                // However often the Pod is created again, a hold's claims end at most
+                // `fallbackAfter` after the first: past it the hold runs its course (a tenant
+                // recreating an unschedulable Pod must not keep an address forever).
+                if c.fell_back_at.is_none() && now >= plus(c.first(), fallback_after) {
+                    let note = format!(
+                        "the held addresses of {namespace}/{name} are not handed back again: they were first handed back at {}, and a claim lasts at most sticky.fallbackAfter ({:?}) however often the Pod is created again",
+                        c.first(),
+                        fallback_after
+                    );
+                    return Err((Some(policy), Passed::ClaimBound, Some(note)));
+                }
+                if c.fell_back_at.is_some() || !c.pending(now) {
+                    return passed(Passed::FellBack);
+                }
             }
         }
+        // A renewal (the claim is pending: the Pod was created again before it showed the
+        // address) keeps the first claim's time, and its bound.
+        let earlier = records.iter().filter_map(|r| r.claim()).min_by_key(|c| c.first());
+        let first = earlier.map_or(now, |c| c.first());
+        let renewals = earlier.map_or(0, |c| c.renewals.saturating_add(1));
         let ips: Vec<IpAddr> = records.iter().filter_map(|r| r.spec.ip.parse().ok()).collect();
+        // A pool no longer for Pods: the CNI plugin would refuse the address.
+        if let Some(pools) = &self.pools
+            && ips.iter().any(|ip| pools.pool_of(*ip).is_some_and(|p| !p.for_workloads))
+        {
+            return passed(Passed::PoolNotForWorkloads);
+        }
         // A pool that serves only some nodes: the new Pod may land on a node it does not
         // serve (capo answers before the scheduler places the Pod).
         if let Some(pools) = &self.pools
@@ -245,6 +276,7 @@ impl Admission {
         {
             return passed(Passed::PoolNodeSelector);
         }
+
         // The old Pod's every address must still be held: a Pod that named only some of
         // them would come up without the others' family.
         let had: Vec<IpAddr> = records[0].spec.pod.addresses.iter().filter_map(|a| a.parse().ok()).collect();
@@ -266,7 +298,14 @@ impl Admission {
                 }
             }
         }
-        let claim = StickyClaim { at: MicroTime(now), until: MicroTime(plus(now, fallback_after)), fell_back_at: None };
+        let claim = StickyClaim {
+            at: MicroTime(now),
+            until: MicroTime(plus(first.min(now), fallback_after)),
+            first_at: Some(MicroTime(first)),
+            renewals,
+            fell_back_at: None,
+            fell_back_reason: None,
+        };
         let mut claimed: Vec<(String, String)> = Vec::new();
         for r in &records {
             let left = deadline.saturating_duration_since(Instant::now());

@@ -12,6 +12,7 @@
 //! still knows it as its own, and [`ShardView::moved`] says its labels need putting back.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -209,8 +210,34 @@ pub struct ReservationIndex {
     inner: RwLock<Inner>,
     events: broadcast::Sender<IndexEvent>,
     synced: watch::Sender<HashSet<CalicoApiGroup>>,
-    /// `(alias, canonical)`: the objects named through `alias` are those of `canonical`.
-    alias: Option<(CalicoApiGroup, CalicoApiGroup)>,
+    /// `(alias, canonical)`: the objects named through `alias` are those of `canonical`
+    /// ([`Alias`]); ended when the two groups become stores of their own.
+    alias: AtomicU8,
+}
+
+/// [`ReservationIndex`]'s alias, as one atomic value: it is read on every lookup.
+struct Alias;
+
+impl Alias {
+    const NONE: u8 = 0;
+    const V3_IS_V1: u8 = 1;
+    const V1_IS_V3: u8 = 2;
+
+    fn encode(alias: Option<(CalicoApiGroup, CalicoApiGroup)>) -> u8 {
+        match alias {
+            Some((CalicoApiGroup::V3, CalicoApiGroup::CrdV1)) => Self::V3_IS_V1,
+            Some((CalicoApiGroup::CrdV1, CalicoApiGroup::V3)) => Self::V1_IS_V3,
+            _ => Self::NONE,
+        }
+    }
+
+    fn decode(v: u8) -> Option<(CalicoApiGroup, CalicoApiGroup)> {
+        match v {
+            Self::V3_IS_V1 => Some((CalicoApiGroup::V3, CalicoApiGroup::CrdV1)),
+            Self::V1_IS_V3 => Some((CalicoApiGroup::CrdV1, CalicoApiGroup::V3)),
+            _ => None,
+        }
+    }
 }
 
 impl Default for ReservationIndex {
@@ -229,17 +256,41 @@ impl ReservationIndex {
             inner: Default::default(),
             events: broadcast::channel(4096).0,
             synced: watch::Sender::new(HashSet::new()),
-            alias,
+            alias: AtomicU8::new(Alias::encode(alias)),
         }
     }
 
     /// The group capo reads and writes the objects `group` names through: itself, unless
     /// it is an alias of another.
     pub fn canonical(&self, group: CalicoApiGroup) -> CalicoApiGroup {
-        match self.alias {
+        match self.alias() {
             Some((view, stored)) if view == group => stored,
             _ => group,
         }
+    }
+
+    /// `(alias, canonical)`, while both groups name one store.
+    pub fn alias(&self) -> Option<(CalicoApiGroup, CalicoApiGroup)> {
+        Alias::decode(self.alias.load(Ordering::Acquire))
+    }
+
+    /// The two groups are stores of their own from now on (calico-apiserver's APIService
+    /// went: a datastore migration): the alias names its own objects, which its own watch
+    /// brings in. Returns the group that was the alias, if there was one.
+    pub fn end_alias(&self) -> Option<CalicoApiGroup> {
+        let was = Alias::decode(self.alias.swap(Alias::NONE, Ordering::AcqRel));
+        was.map(|(view, _)| view)
+    }
+
+    /// `view` names the objects of `stored` again (calico-apiserver's APIService came back:
+    /// a cancelled datastore migration): what the index held under `view` goes, since those
+    /// are the same objects as `stored`'s.
+    pub fn alias_again(&self, view: CalicoApiGroup, stored: CalicoApiGroup) {
+        self.replace(view, Vec::new());
+        self.synced.send_modify(|s| {
+            s.remove(&view);
+        });
+        self.alias.store(Alias::encode(Some((view, stored))), Ordering::Release);
     }
 
     pub fn get(&self, group: CalicoApiGroup, name: &str) -> Option<Arc<ShardView>> {
@@ -290,6 +341,11 @@ impl ReservationIndex {
 
     pub fn subscribe(&self) -> broadcast::Receiver<IndexEvent> {
         self.events.subscribe()
+    }
+
+    /// Whether the first list of `group` is in.
+    pub fn is_synced(&self, group: CalicoApiGroup) -> bool {
+        self.synced.borrow().contains(&self.canonical(group))
     }
 
     /// Waits until the first list of `group` is in.

@@ -12,8 +12,10 @@ pub mod index;
 pub mod pools;
 pub mod shards;
 mod writer;
+pub mod writing;
 
 pub use datastore::Datastore;
-pub use detect::{Detected, detect_calico_api};
+pub use detect::{CalicoReads, Detected, Follow, FollowGauges, detect_calico_api, follow};
 pub use index::{IndexEvent, ReservationIndex, ShardKey, ShardView};
 pub use writer::{CalicoError, Reservations, is_type_not_served};
+pub use writing::WritingGroup;

@@ -22,6 +22,7 @@ use tracing::{info, warn};
 
 use super::datastore::{ETCD_BLOCKS, ETCD_POOLS, object_of};
 use super::etcd::{Etcd, Kv, PrefixEvent};
+use super::writing::WritingGroup;
 
 /// One IP pool as last seen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,6 +32,10 @@ pub struct Pool {
     pub disabled: bool,
     /// The pool serves only some nodes (`spec.nodeSelector` other than `all()`).
     pub node_restricted: bool,
+    /// Pods may get addresses from it (`spec.allowedUses` lists `Workload`, or is absent:
+    /// Calico's default is `[Workload, Tunnel]`). Calico 3.33's CNI plugin refuses an
+    /// address a Pod names in `cni.projectcalico.org/ipAddrs` from a pool without it.
+    pub for_workloads: bool,
 }
 
 /// One IPAM block: its CIDR and which of its addresses are allocated (by ordinal).
@@ -83,6 +88,9 @@ impl Pool {
             cidr: cidr.trunc(),
             disabled: spec["disabled"].as_bool().unwrap_or(false),
             node_restricted: !(selector.is_empty() || selector == "all()"),
+            for_workloads: spec["allowedUses"]
+                .as_array()
+                .is_none_or(|uses| uses.iter().any(|u| u.as_str() == Some("Workload"))),
         })
     }
 }
@@ -290,19 +298,52 @@ impl PoolStore {
         Ok(Self::from_lists(&lists[0], &lists[1]))
     }
 
-    /// Keeps the store current from `group` (an API version serving `ippools` and
-    /// `ipamblocks`) until the task is dropped.
-    pub fn watch(self: &Arc<Self>, client: &Client, api_version: &str) -> Vec<tokio::task::JoinHandle<()>> {
-        self.watch_kinds(
-            client,
-            api_version,
-            &[(Kind::Pool, "IPPool", "ippools"), (Kind::Block, "IPAMBlock", "ipamblocks")],
-        )
-    }
-
-    /// Keeps the pools (not the blocks) current: what the webhook checks addresses against.
-    pub fn watch_pools(self: &Arc<Self>, client: &Client, api_version: &str) -> Vec<tokio::task::JoinHandle<()>> {
-        self.watch_kinds(client, api_version, &[(Kind::Pool, "IPPool", "ippools")])
+    /// Keeps the store current from the group Calico's IPAM reads, moving with it when a
+    /// datastore migration moves it (`writing`; [`super::follow`]): after one, the v1
+    /// objects are locked for good and Calico allocates from the v3 ones. With `blocks`,
+    /// the IPAM blocks too (the pool guard), else the pools only (the webhook). Where the
+    /// group Calico reads does not serve both kinds, the first group that does
+    /// ([`detect_ipam_api`]); where none does, the store stays empty until one does.
+    pub fn follow(
+        self: &Arc<Self>,
+        client: &Client,
+        writing: &WritingGroup,
+        blocks: bool,
+    ) -> tokio::task::JoinHandle<()> {
+        let (store, client, mut groups) = (self.clone(), client.clone(), writing.subscribe());
+        let kinds: &'static [(Kind, &'static str, &'static str)] = if blocks {
+            &[(Kind::Pool, "IPPool", "ippools"), (Kind::Block, "IPAMBlock", "ipamblocks")]
+        } else {
+            &[(Kind::Pool, "IPPool", "ippools")]
+        };
+        tokio::spawn(async move {
+            let mut watching: Option<(String, Watches)> = None;
+            loop {
+                let reads = groups.borrow_and_update().calico_ipam();
+                let api_version = match serves_ipam(&client, &reads.api_version()).await {
+                    Ok(true) => Some(reads.api_version()),
+                    Ok(false) => detect_ipam_api(&client).await,
+                    // Not a definite answer: where it watches stays (another group may be
+                    // one Calico no longer reads).
+                    Err(e) if watching.is_some() => {
+                        warn!(calico_reads = %reads, error = %e, "could not ask whether Calico's IPAM is served where Calico reads; the pools stay watched where they are");
+                        None
+                    }
+                    Err(_) => detect_ipam_api(&client).await,
+                };
+                if api_version.as_deref() != watching.as_ref().map(|(v, _)| v.as_str())
+                    && let Some(api_version) = api_version
+                {
+                    info!(api_version, calico_reads = %reads, "Calico's IP pools: watched where Calico's IPAM reads");
+                    let tasks = Watches(store.watch_kinds(&client, &api_version, kinds));
+                    watching = Some((api_version, tasks));
+                }
+                if groups.changed().await.is_err() {
+                    // Nobody moves the group any more: keep watching where we are.
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
     }
 
     fn watch_kinds(
@@ -336,7 +377,7 @@ impl PoolStore {
                     self.replace(kind, &std::mem::take(&mut listing));
                     if std::mem::take(&mut first) {
                         info!(watch = what, "pool guard: listed Calico's {what}");
-                        self.synced.send_modify(|n| *n += 1);
+                        self.synced.send_modify(|n| *n = n.saturating_add(1));
                     }
                 }
                 Ok(watcher::Event::Apply(obj)) => self.apply(kind, &obj),
@@ -379,7 +420,7 @@ impl PoolStore {
                                 store.replace(kind, &objects);
                                 if std::mem::take(&mut first) {
                                     info!(prefix, "pool guard: listed Calico's etcd");
-                                    store.synced.send_modify(|n| *n += 1);
+                                    store.synced.send_modify(|n| *n = n.saturating_add(1));
                                 }
                             }
                             PrefixEvent::Put(kv) => match etcd_object(kind, &kv) {
@@ -400,7 +441,13 @@ impl PoolStore {
         for (name, cidr) in pools {
             inner.pools.insert(
                 name.to_string(),
-                Pool { name: name.to_string(), cidr: cidr.parse().unwrap(), disabled: false, node_restricted: false },
+                Pool {
+                    name: name.to_string(),
+                    cidr: cidr.parse().unwrap(),
+                    disabled: false,
+                    node_restricted: false,
+                    for_workloads: true,
+                },
             );
         }
         for (name, cidr, allocated) in blocks {
@@ -429,19 +476,48 @@ fn etcd_object(kind: Kind, kv: &Kv) -> Option<DynamicObject> {
     }
 }
 
+/// A group's watches of the pool store, stopped when a move replaces them.
+struct Watches(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Watches {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Whether `api_version` serves both `ippools` and `ipamblocks`.
+async fn serves_ipam(client: &Client, api_version: &str) -> Result<bool, kube::Error> {
+    match client.list_api_group_resources(api_version).await {
+        Ok(list) => {
+            let has = |n: &str| list.resources.iter().any(|r| r.name == n);
+            Ok(has("ipamblocks") && has("ippools"))
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The API version of Calico's pools and blocks for a one-off look (`capo policies`):
+/// where Calico reads now ([`super::detect::look`]), else as [`detect_ipam_api`] finds it.
+pub async fn calico_ipam_api(client: &Client) -> Option<String> {
+    if let Ok((reads, _)) = super::detect::look(client).await
+        && let Ok(true) = serves_ipam(client, &reads.group.api_version()).await
+    {
+        return Some(reads.group.api_version());
+    }
+    detect_ipam_api(client).await
+}
+
 /// Which API version serves Calico's `ipamblocks` (and `ippools`), if any:
 /// `crd.projectcalico.org/v1` first (what Calico's IPAM uses with the Kubernetes
 /// datastore), then `projectcalico.org/v3`.
 pub async fn detect_ipam_api(client: &Client) -> Option<String> {
     for api_version in ["crd.projectcalico.org/v1", "projectcalico.org/v3"] {
-        match client.list_api_group_resources(api_version).await {
-            Ok(list) => {
-                let has = |n: &str| list.resources.iter().any(|r| r.name == n);
-                if has("ipamblocks") && has("ippools") {
-                    return Some(api_version.to_string());
-                }
-            }
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
+        match serves_ipam(client, api_version).await {
+            Ok(true) => return Some(api_version.to_string()),
+            Ok(false) => {}
             Err(e) => warn!(api_version, error = %e, "could not ask which group serves Calico's IPAM blocks"),
         }
     }
@@ -451,6 +527,25 @@ pub async fn detect_ipam_api(client: &Client) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pool_is_for_workloads_unless_its_allowed_uses_leave_them_out() {
+        let pool = |uses: serde_json::Value| {
+            let mut spec = serde_json::json!({ "cidr": "192.0.2.0/26" });
+            if !uses.is_null() {
+                spec["allowedUses"] = uses;
+            }
+            let obj: DynamicObject = serde_json::from_value(serde_json::json!({
+                "apiVersion": "crd.projectcalico.org/v1", "kind": "IPPool", "metadata": { "name": "p" }, "spec": spec,
+            }))
+            .unwrap();
+            Pool::from_object(&obj).unwrap().for_workloads
+        };
+        assert!(pool(serde_json::Value::Null), "Calico's default: Workload and Tunnel");
+        assert!(pool(serde_json::json!(["Workload", "Tunnel"])));
+        assert!(!pool(serde_json::json!(["Tunnel"])));
+        assert!(!pool(serde_json::json!(["LoadBalancer"])));
+    }
 
     #[test]
     fn usage_sums_the_pools_blocks_and_knows_each_address() {

@@ -30,6 +30,7 @@ use super::datastore::Datastore;
 use super::entry::pointer_escape;
 use super::index::{CALICO_METADATA_ANNOTATION, Effective, ReservationIndex, ShardView};
 use super::shards::{self, JOIN_BELOW, SHARD_SIZE};
+use super::writing::WritingGroup;
 use crate::leader::{Fence, NotLeader};
 
 /// How often one write retries after conflicts or throttling.
@@ -196,7 +197,10 @@ struct Queue {
 #[derive(Clone)]
 pub struct Reservations {
     store: Datastore,
-    group: CalicoApiGroup,
+    /// Where new holds go (moved at run time by a datastore migration).
+    writing: WritingGroup,
+    /// A hold in progress: the group it started with, whatever moves meanwhile.
+    pinned: Option<CalicoApiGroup>,
     index: Arc<ReservationIndex>,
     queue: Arc<Mutex<Queue>>,
     /// Shard names found taken by an object that is not the policy's: skipped from now on.
@@ -217,10 +221,15 @@ impl Reservations {
 
     /// Holds go to `group` of `store` (Calico's etcd keeps `projectcalico.org/v3` only).
     pub fn in_datastore(store: Datastore, group: CalicoApiGroup, index: Arc<ReservationIndex>) -> Self {
-        let group = index.canonical(group);
+        Self::writing_to(store, WritingGroup::new(group), index)
+    }
+
+    /// Holds go to whichever group `writing` says at the time (shared with whoever moves it).
+    pub fn writing_to(store: Datastore, writing: WritingGroup, index: Arc<ReservationIndex>) -> Self {
         Self {
             store,
-            group,
+            writing,
+            pinned: None,
             index,
             queue: Default::default(),
             taken: Default::default(),
@@ -242,8 +251,19 @@ impl Reservations {
         self
     }
 
+    /// The group new holds go to now.
     pub fn group(&self) -> CalicoApiGroup {
-        self.group
+        self.index.canonical(self.pinned.unwrap_or_else(|| self.writing.get()))
+    }
+
+    /// These reservations with the group fixed at what it is now: one hold's entry and
+    /// record name the same group even if a datastore migration moves it meanwhile.
+    pub fn pinned(&self) -> Self {
+        Self { pinned: Some(self.group()), ..self.clone() }
+    }
+
+    pub fn writing_group(&self) -> &WritingGroup {
+        &self.writing
     }
 
     pub fn index(&self) -> &Arc<ReservationIndex> {
@@ -270,11 +290,9 @@ impl Reservations {
     /// holds); otherwise the first shard of the probe order with room. (The record of a
     /// hold is written at the same time as its entry, and names this shard.)
     pub fn foresee(&self, policy: &str, count: u32, entry: &str) -> String {
-        if let Some((_, view)) = self
-            .index
-            .shards_with(entry)
-            .into_iter()
-            .find(|(g, v)| *g == self.group && v.policy.as_deref() == Some(policy))
+        let group = self.group();
+        if let Some((_, view)) =
+            self.index.shards_with(entry).into_iter().find(|(g, v)| *g == group && v.policy.as_deref() == Some(policy))
         {
             return view.name.clone();
         }
@@ -285,10 +303,10 @@ impl Reservations {
         shards::probe_order(entry, count)
             .map(|i| shard_name(policy, i))
             .find(|name| {
-                !taken.contains(&(self.group, name.clone()))
+                !taken.contains(&(group, name.clone()))
                     && self
                         .index
-                        .get(self.group, name)
+                        .get(group, name)
                         .is_none_or(|v| v.policy.as_deref() == Some(policy) && v.entries.len() < SHARD_SIZE)
             })
             .unwrap_or_else(|| shard_name(policy, 0))
@@ -298,12 +316,13 @@ impl Reservations {
     /// running (an append in flight), the one with the most entries waiting, if it holds
     /// fewer than [`JOIN_BELOW`] with them.
     fn writing(&self, policy: &str) -> Option<String> {
+        let writing = self.group();
         let taken = self.taken.lock().expect("taken lock");
         let q = self.queue.lock().expect("reservation queue lock");
         q.pending
             .iter()
             .filter(|((group, name), (p, _))| {
-                *group == self.group && p == policy && !taken.contains(&(*group, name.clone()))
+                *group == writing && p == policy && !taken.contains(&(*group, name.clone()))
             })
             .filter_map(|((group, name), (_, waiting))| {
                 let held = self.index.get(*group, name).map_or(0, |v| v.entries.len());
@@ -329,8 +348,9 @@ impl Reservations {
         entry: &str,
         prefer: Option<&str>,
     ) -> Result<(String, Placed), CalicoError> {
+        let writing = self.group();
         for (group, view) in self.index.shards_with(entry) {
-            if group == self.group
+            if group == writing
                 && view.policy.as_deref() == Some(policy)
                 && view.position(entry).is_some()
                 && let Some(at) = self.confirm(&view.name, policy, entry).await?
@@ -342,10 +362,10 @@ impl Reservations {
         let preferred = prefer.filter(|name| shards::index_of(name, policy).is_some()).map(str::to_string);
         let probed = shards::probe_order(entry, count).map(|i| shard_name(policy, i));
         for name in preferred.clone().into_iter().chain(probed.filter(|n| Some(n) != preferred.as_ref())) {
-            if self.taken.lock().expect("taken lock").contains(&(self.group, name.clone())) {
+            if self.taken.lock().expect("taken lock").contains(&(writing, name.clone())) {
                 continue;
             }
-            if let Some(view) = self.index.get(self.group, &name)
+            if let Some(view) = self.index.get(writing, &name)
                 && (view.policy.as_deref() != Some(policy) || view.entries.len() >= SHARD_SIZE)
             {
                 continue;
@@ -356,7 +376,7 @@ impl Reservations {
                 Err(e) if e.try_next_shard() => {
                     debug!(shard = %name, error = %e, "trying the next shard");
                     if !matches!(e, CalicoError::Full { .. }) {
-                        self.taken.lock().expect("taken lock").insert((self.group, name));
+                        self.taken.lock().expect("taken lock").insert((writing, name));
                     }
                 }
                 Err(e) => return Err(e),
@@ -371,7 +391,7 @@ impl Reservations {
     /// which it would decode, patch, validate in full and compare (2.0 against 5.1 ms p50
     /// for a shard of 420 entries; docs/performance.md).
     pub async fn confirm(&self, name: &str, policy: &str, entry: &str) -> Result<Option<usize>, CalicoError> {
-        match self.read_owned(self.group, name, Some(policy)).await {
+        match self.read_owned(self.group(), name, Some(policy)).await {
             Ok(view) => Ok(view.position(entry)),
             Err(CalicoError::NotOwned { .. } | CalicoError::OtherPolicy { .. }) => Ok(None),
             Err(CalicoError::Api(e)) if matches!(status_of(&e), Some(s) if s.code == 404) => Ok(None),
@@ -383,7 +403,7 @@ impl Reservations {
     /// entries were queued for it meanwhile.
     async fn add(&self, name: &str, policy: &str, cidr: &str) -> Result<Placed, CalicoError> {
         let (done, result) = oneshot::channel();
-        let key = (self.group, name.to_string());
+        let key = (self.group(), name.to_string());
         let start_writer = {
             let mut q = self.queue.lock().expect("reservation queue lock");
             let waiter = Waiter { cidr: cidr.to_string(), done };

@@ -218,12 +218,15 @@ impl HoldWriter {
             return Ok(held);
         }
         let cidr = entry::canonical(ip);
-        let foreseen = self.reservations.foresee(req.policy, req.shards, &cidr);
+        // The entry and the record name one group, even if a datastore migration moves new
+        // holds to another while this one is written.
+        let reservations = self.reservations.pinned();
+        let foreseen = reservations.foresee(req.policy, req.shards, &cidr);
         let spec = ReservedIPSpec {
             ip: ip.to_string(),
             cidr: cidr.clone(),
             reservation: foreseen.clone(),
-            calico_api_group: self.reservations.group().api_version(),
+            calico_api_group: reservations.group().api_version(),
             policy: req.policy.to_string(),
             pod: PodRef {
                 namespace: req.pod.namespace.clone(),
@@ -241,7 +244,7 @@ impl HoldWriter {
         };
         let sent = Instant::now();
         let (entry, record) = tokio::join!(
-            self.reservations.hold_placed(req.policy, req.shards, &cidr, Some(&foreseen)),
+            reservations.hold_placed(req.policy, req.shards, &cidr, Some(&foreseen)),
             self.records.record(ip, spec)
         );
         let mut errors = Vec::new();

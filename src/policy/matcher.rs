@@ -52,6 +52,9 @@ pub enum SkipReason {
     NoIps,
     HostNetwork,
     OptedOut,
+    /// A KubeVirt VM's launcher Pod ([`PodFacts::is_kubevirt_vm`]): Calico keeps its
+    /// address for the VM.
+    KubeVirtVm,
     NotSelected,
     NamespaceTerminating {
         policy: String,
@@ -72,6 +75,7 @@ impl SkipReason {
             Self::NoIps => "no_ips",
             Self::HostNetwork => "host_network",
             Self::OptedOut => "opted_out",
+            Self::KubeVirtVm => "kubevirt_vm",
             Self::NotSelected => "not_selected",
             Self::NamespaceTerminating { .. } => "namespace_terminating",
             Self::OwnerDeleted { .. } => "owner_deleted",
@@ -100,6 +104,9 @@ impl Matcher {
             Some(Unholdable::HostNetwork) => return Decision::Skip(SkipReason::HostNetwork),
             Some(Unholdable::OptedOut) => return Decision::Skip(SkipReason::OptedOut),
             None => {}
+        }
+        if pod.is_kubevirt_vm() {
+            return Decision::Skip(SkipReason::KubeVirtVm);
         }
         let hold = pod.annotations.get(HOLD_ANNOTATION).map(String::as_str);
         let mut warnings = Vec::new();
@@ -447,5 +454,28 @@ mod tests {
         let host =
             PodFacts::from_json(&json!({"spec": {"hostNetwork": true}, "status": {"podIP": "10.1.1.1"}})).unwrap();
         assert_eq!(m.decide(&host, &ctx(&ns)), Decision::Skip(SkipReason::HostNetwork));
+    }
+
+    #[test]
+    fn a_kubevirt_vms_launcher_pod_is_never_held() {
+        let ns = BTreeMap::new();
+        let m = Matcher::new([compiled("all", json!({"podSelector": {}}))]);
+        let launcher = |meta: serde_json::Value| {
+            let mut pod = json!({"metadata": {"name": "virt-launcher-vm1-x"}, "status": {"podIP": "10.1.1.1"}});
+            for (k, v) in meta.as_object().unwrap() {
+                pod["metadata"][k] = v.clone();
+            }
+            PodFacts::from_json(&pod).unwrap()
+        };
+        let labelled = launcher(json!({"labels": {"kubevirt.io": "virt-launcher", "vm.kubevirt.io/name": "vm1"}}));
+        assert_eq!(m.decide(&labelled, &ctx(&ns)), Decision::Skip(SkipReason::KubeVirtVm));
+        let owned =
+            launcher(json!({"ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "name": "vm1", "uid": "u", "controller": true}]}));
+        assert_eq!(m.decide(&owned, &ctx(&ns)), Decision::Skip(SkipReason::KubeVirtVm));
+        // Another group's kind of that name, or another value of the label: held.
+        let other = launcher(json!({"labels": {"kubevirt.io": "virt-handler"}, "ownerReferences": [{"apiVersion":
+            "example.com/v1", "kind": "VirtualMachineInstance", "name": "vm1", "uid": "u", "controller": true}]}));
+        assert_eq!(held_by(&m.decide(&other, &ctx(&ns))), Some("all"));
     }
 }

@@ -27,6 +27,9 @@ pub struct Counted<'a> {
     /// it left).
     pub created: Timestamp,
     pub reserved_at: Timestamp,
+    /// Kept whatever the bound (a pending sticky claim): counted, never chosen; a bound it
+    /// helps pass is met by the others.
+    pub kept: bool,
 }
 
 fn age_order(a: &Counted<'_>, b: &Counted<'_>) -> std::cmp::Ordering {
@@ -65,13 +68,13 @@ fn over<'a>(max: usize, per_group: impl Fn(&str) -> Option<usize>, mut holds: Ve
     }
     for (group, list) in &by_group {
         if let Some(share) = per_group(group) {
-            out.extend(list.iter().take(list.len().saturating_sub(share)));
+            out.extend(list.iter().filter(|h| !h.kept).take(list.len().saturating_sub(share)));
         }
     }
     let chosen: HashSet<&str> = out.iter().map(|h| h.name).collect();
     let left = holds.len() - out.len();
     if left > max {
-        let rest: Vec<&Counted<'_>> = holds.iter().filter(|h| !chosen.contains(h.name)).collect();
+        let rest: Vec<&Counted<'_>> = holds.iter().filter(|h| !h.kept && !chosen.contains(h.name)).collect();
         out.extend(fairly(rest, left - max));
     }
     out.sort_by(|a, b| age_order(a, b));
@@ -116,7 +119,15 @@ mod tests {
     }
 
     fn hold<'a>(name: &'a str, ns: &'a str, created: i64, reserved: i64) -> Counted<'a> {
-        Counted { name, group: ns, namespace: ns, present: false, created: t(created, 0), reserved_at: t(0, reserved) }
+        Counted {
+            name,
+            group: ns,
+            namespace: ns,
+            present: false,
+            created: t(created, 0),
+            reserved_at: t(0, reserved),
+            kept: false,
+        }
     }
 
     #[test]
@@ -190,6 +201,27 @@ mod tests {
             over_cap(2, None, holds),
             ["quiet-1", "churn-0", "churn-1", "churn-2", "churn-3", "churn-4"].map(String::from).to_vec()
         );
+    }
+
+    /// Issue 55: a hold kept by a pending sticky claim counts against every bound, and is
+    /// never the one chosen: the others give in its place.
+    #[test]
+    fn a_kept_hold_counts_against_the_bounds_and_is_never_chosen() {
+        let mut claimed = hold("claimed", "x", 0, 0);
+        claimed.kept = true;
+        let holds = vec![claimed, hold("newer", "x", 1, 0), hold("newest", "y", 2, 0)];
+        // Cap 2 of three: the oldest goes, unless it is kept; then the next oldest.
+        assert_eq!(over_cap(2, None, holds.clone()), vec!["newer".to_string()]);
+        // Cap 1: both others go, the kept one stays (over the cap by itself, it waits).
+        assert_eq!(over_cap(1, None, holds.clone()), vec!["newer".to_string(), "newest".to_string()]);
+        // A namespace share of 1: x is over by the kept one, so its other hold gives.
+        assert_eq!(over_cap(10, Some(1), holds.clone()), vec!["newer".to_string()]);
+        // Alone past the bound, nothing can be chosen.
+        let mut alone = hold("alone", "x", 0, 0);
+        alone.kept = true;
+        assert!(over_cap(0, Some(0), vec![alone.clone()]).is_empty());
+        // The pool guard too: 4 unused, 50% = 2, three held: the oldest not kept goes.
+        assert_eq!(over_pool_share(4, 50, |_| None, holds), vec!["newer".to_string()]);
     }
 
     #[test]

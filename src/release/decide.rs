@@ -100,7 +100,50 @@ pub fn missing_too_soon(
 
 /// Until when a hold counts as made a moment ago (the settle time after `reservedAt`).
 pub fn just_held(record: &ReservedIP, settings: &PlanSettings) -> Timestamp {
-    plus(record.spec.reserved_at.0, settings.settle)
+    plus(reserved_at(record), settings.settle)
+}
+
+/// How far a time another clock wrote (a former leader's countdown start, a record's
+/// status, the writing replica's `reservedAt`) may be ahead of the clock it is compared
+/// with before it is not believed: a few seconds of skew between nodes on NTP pass; more
+/// is a wrong clock or an edit, and such a time is taken as now (it could otherwise hold
+/// an address until that date).
+pub const SKEW_ALLOWANCE: Duration = Duration::from_secs(5);
+
+/// `t`, or `now` when `t` is more than [`SKEW_ALLOWANCE`] later than `now`.
+pub fn not_ahead(t: Timestamp, now: Timestamp) -> Timestamp {
+    if t > plus(now, SKEW_ALLOWANCE) { now } else { t }
+}
+
+/// The hold's `reservedAt` (the writing replica's clock), never taken later than its
+/// record's `creationTimestamp` (the API server's clock) plus the skew allowance.
+pub fn reserved_at(record: &ReservedIP) -> Timestamp {
+    let at = record.spec.reserved_at.0;
+    match &record.metadata.creation_timestamp {
+        Some(created) => at.min(plus(created.0, SKEW_ALLOWANCE)),
+        None => at,
+    }
+}
+
+/// The times of `record` the leader compares with its clock that are ahead of `now` by
+/// more than the skew allowance (each taken as now, or as its record's creation), by
+/// field; for the leader's warning.
+pub fn ahead_of(record: &ReservedIP, now: Timestamp) -> Vec<(&'static str, Timestamp)> {
+    let limit = plus(now, SKEW_ALLOWANCE);
+    let status = record.status.as_ref();
+    let created = record.metadata.creation_timestamp.as_ref().map(|c| plus(c.0, SKEW_ALLOWANCE));
+    let mut out = Vec::new();
+    if record.spec.reserved_at.0 > created.unwrap_or(limit).min(limit) {
+        out.push(("spec.reservedAt", record.spec.reserved_at.0));
+    }
+    let times = [
+        ("status.podGoneAt", status.and_then(|s| s.pod_gone_at.as_ref())),
+        ("status.podKeptSince", status.and_then(|s| s.pod_kept_since.as_ref())),
+        ("status.claim.at", record.claim().map(|c| &c.at)),
+        ("status.claim.firstAt", record.claim().and_then(|c| c.first_at.as_ref())),
+    ];
+    out.extend(times.into_iter().filter_map(|(field, t)| t.filter(|t| t.0 > limit).map(|t| (field, t.0))));
+    out
 }
 
 /// Knobs of the leader that are not in any policy.
@@ -167,9 +210,82 @@ pub enum Action {
     WriteBack,
     /// The entry is missing and the hold is over (or its Pod stays): drop the record.
     Drop { reason: ReleaseReason, due: Option<Timestamp> },
-    /// Sticky IPs: the recreated Pod did not show the address by the claim's `until`:
-    /// take the addresses back from it and note the claim fell back; the hold runs on.
-    FallBack,
+    /// Sticky IPs: the claim ends before the recreated Pod showed the address (see
+    /// [`FallBackReason`]): take the addresses back from it and note the claim fell back;
+    /// the hold runs on (and an operator's release, or its workload's, goes ahead).
+    FallBack(FallBackReason),
+}
+
+/// Why a hold's sticky claim ended without the Pod showing the address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FallBackReason {
+    /// No Pod showed the address by the claim's `until`.
+    NotShown,
+    /// The claim was renewed (the Pod created again) up to its bound: `fallbackAfter`
+    /// after the first claim.
+    BoundReached,
+    /// An operator's `capo release`: their word beats a claim.
+    Released,
+    /// The hold's workload or namespace was deleted (`releaseEarly`).
+    WorkloadGone,
+}
+
+impl FallBackReason {
+    /// The record's `status.claim.fellBackReason`.
+    pub fn as_field(self) -> &'static str {
+        match self {
+            Self::NotShown => "NotShown",
+            Self::BoundReached => "BoundReached",
+            Self::Released => "Released",
+            Self::WorkloadGone => "WorkloadGone",
+        }
+    }
+
+    /// The reason a record's `status.claim.fellBackReason` names, if capo wrote it.
+    pub fn from_field(field: &str) -> Option<Self> {
+        [Self::NotShown, Self::BoundReached, Self::Released, Self::WorkloadGone]
+            .into_iter()
+            .find(|r| r.as_field() == field)
+    }
+
+    /// The `reason` label of `capo_sticky_fallbacks_total`.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::NotShown => "not_shown",
+            Self::BoundReached => "bound_reached",
+            Self::Released => "released",
+            Self::WorkloadGone => "workload_gone",
+        }
+    }
+}
+
+/// Until when `claim` (sticky IPs) keeps its hold, if it does at `now`: its `until`, never
+/// later than its bound — `fallbackAfter` after the first claim (the bound the webhook
+/// writes; checked here too, for a policy shortened since), or the claim's own length
+/// when its policy is gone.
+pub fn claim_pending(
+    claim: &capo_api::StickyClaim,
+    policy: Option<&CompiledPolicy>,
+    now: Timestamp,
+) -> Option<Timestamp> {
+    let after = policy
+        .and_then(|p| p.sticky)
+        .unwrap_or_else(|| Duration::try_from(claim.until.0.duration_since(claim.at.0)).unwrap_or(Duration::ZERO));
+    let until = claim.until.0.min(plus(claim.first(), after));
+    (claim.fell_back_at.is_none() && now < until).then_some(until)
+}
+
+/// `claim` with its times taken as `now` where they are ahead of it by more than the skew
+/// allowance (a webhook replica's clock ahead): its bound then runs from the moment the
+/// leader saw it, and is written so (counted from a time a day ahead, the claim would keep
+/// its hold a day).
+fn claim_not_ahead(claim: &capo_api::StickyClaim, now: Timestamp) -> capo_api::StickyClaim {
+    let mut claim = claim.clone();
+    if claim.fell_back_at.is_none() && claim.first() > plus(now, SKEW_ALLOWANCE) {
+        claim.first_at = Some(MicroTime(now));
+    }
+    claim.at = MicroTime(not_ahead(claim.at.0, now));
+    claim
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -227,7 +343,7 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             None
         }
         PodState::Kept => {
-            let since = current.pod_kept_since.as_ref().map_or(now, |t| t.0);
+            let since = current.pod_kept_since.as_ref().map_or(now, |t| not_ahead(t.0, now));
             desired.pod_kept_since = Some(MicroTime(since));
             desired.pod_gone_at = None;
             desired.release_at = None;
@@ -238,7 +354,14 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             None
         }
         PodState::Gone => {
-            let gone = current.pod_gone_at.as_ref().map(|t| t.0).or(f.seen_gone.filter(|t| *t <= now)).unwrap_or(now);
+            // A start later than now (another leader's clock ahead, an edit) is taken as now
+            // and written so: recounting from now at every look would never fall due.
+            let gone = current
+                .pod_gone_at
+                .as_ref()
+                .map(|t| not_ahead(t.0, now))
+                .or(f.seen_gone.filter(|t| *t <= now))
+                .unwrap_or(now);
             desired.pod_gone_at = Some(MicroTime(gone));
             desired.pod_kept_since = None;
             let release_at = release_at(rec, gone, settings);
@@ -280,15 +403,16 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
             None => Action::Wait(recheck),
         }
     };
-    let action = sticky(f, action);
+    desired.claim = current.claim.as_ref().map(|c| claim_not_ahead(c, now));
+    let action = sticky(f, desired.claim.as_ref(), action);
     Decision { status: desired, action }
 }
 
 /// Sticky IPs: a claimed hold ends once the Pod that replaced its own shows the address;
 /// while the claim is pending it is never released (nor dropped); past it, it falls back.
-fn sticky(f: &Facts<'_>, action: Action) -> Action {
+fn sticky(f: &Facts<'_>, claim: Option<&capo_api::StickyClaim>, action: Action) -> Action {
     let (rec, now) = (f.record, f.now);
-    let Some(claim) = rec.claim() else { return action };
+    let Some(claim) = claim else { return action };
     let shown = f.pod.is_some_and(|p| {
         p.uid != rec.spec.pod.uid && rec.spec.ip.parse().is_ok_and(|ip: std::net::IpAddr| p.ips.contains(&ip))
     });
@@ -303,16 +427,25 @@ fn sticky(f: &Facts<'_>, action: Action) -> Action {
     if claim.fell_back_at.is_some() {
         return action;
     }
-    if !claim.pending(now) {
-        return Action::FallBack;
-    }
+    let Some(until) = claim_pending(claim, f.policy, now) else {
+        // Renewed at least once: the webhook wrote `until` at the bound.
+        let why = if claim.renewals > 0 { FallBackReason::BoundReached } else { FallBackReason::NotShown };
+        return Action::FallBack(why);
+    };
     match action {
-        Action::Release { .. } => Action::Wait(Some(claim.until.0)),
+        // An operator's release, or the workload's, ends the claim first (its addresses
+        // taken back from the Pod), then goes ahead at the next look.
+        Action::Release { reason: ReleaseReason::Manual, .. } | Action::Drop { reason: ReleaseReason::Manual, .. } => {
+            Action::FallBack(FallBackReason::Released)
+        }
+        Action::Release { reason: ReleaseReason::WorkloadGone, .. }
+        | Action::Drop { reason: ReleaseReason::WorkloadGone, .. } => Action::FallBack(FallBackReason::WorkloadGone),
+        Action::Release { .. } => Action::Wait(Some(until)),
         // A missing entry of a claimed hold is written back: it keeps the address from
         // everyone else until the recreated Pod has it.
         Action::Drop { .. } => Action::WriteBack,
-        Action::Wait(at) => Action::Wait(Some(at.map_or(claim.until.0, |at| at.min(claim.until.0)))),
-        Action::WriteBack | Action::FallBack => action,
+        Action::Wait(at) => Action::Wait(Some(at.map_or(until, |at| at.min(until)))),
+        Action::WriteBack | Action::FallBack(_) => action,
     }
 }
 
@@ -655,12 +788,15 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_claimed_hold_is_never_released_ends_when_the_new_pod_shows_the_address_and_falls_back_after() {
+    fn a_claimed_hold_outwaits_its_ttl_ends_when_the_new_pod_shows_the_address_and_falls_back_after() {
         let p = policy("p", json!({ "sticky": { "enabled": true } }));
         let claim = |until: f64, fell_back: Option<f64>| capo_api::StickyClaim {
             at: MicroTime(at(until - 90.0)),
             until: MicroTime(at(until)),
+            first_at: None,
+            renewals: 0,
             fell_back_at: fell_back.map(|t| MicroTime(at(t))),
+            fell_back_reason: None,
         };
         let with = |c: capo_api::StickyClaim| {
             let mut status = gone_at(0.0).unwrap();
@@ -671,15 +807,7 @@ pub(crate) mod tests {
         // Due by its TTL (60 s) while the claim runs to 100: it waits for the claim.
         let r = with(claim(100.0, None));
         assert_eq!(decide(&facts(&r, None, Some(&p), 70.0), &s).action, Action::Wait(Some(at(100.0))));
-        // An operator's release waits too; a missing entry is still written back.
-        let mut manual = r.clone();
-        manual.spec.manual = Some(capo_api::ManualChange {
-            action: ManualAction::Release,
-            by: "alice".into(),
-            at: MicroTime(at(50.0)),
-            until: None,
-        });
-        assert_eq!(decide(&facts(&manual, None, Some(&p), 70.0), &s).action, Action::Wait(Some(at(100.0))));
+        // A missing entry is still written back.
         let mut missing = facts(&r, None, Some(&p), 70.0);
         missing.entry_present = false;
         missing.missing_since = Some(at(60.0));
@@ -698,7 +826,7 @@ pub(crate) mod tests {
             Action::Release { reason: ReleaseReason::Sticky, .. }
         ));
         // Past the claim without the address: fall back; once fallen back, the TTL rules.
-        assert_eq!(decide(&facts(&r, None, Some(&p), 100.0), &s).action, Action::FallBack);
+        assert_eq!(decide(&facts(&r, None, Some(&p), 100.0), &s).action, Action::FallBack(FallBackReason::NotShown));
         let fell = with(claim(100.0, Some(101.0)));
         assert_eq!(
             decide(&facts(&fell, None, Some(&p), 102.0), &s).action,
@@ -707,5 +835,146 @@ pub(crate) mod tests {
         // Before the TTL a pending claim shortens nothing but the next look.
         let early = with(claim(30.0, None));
         assert_eq!(decide(&facts(&early, None, Some(&p), 10.0), &s).action, Action::Wait(Some(at(30.0))));
+    }
+
+    /// Issue 55: however often the Pod is created again, a claim keeps its hold at most
+    /// `fallbackAfter` from the first claim; an operator's release and the workload's end
+    /// it at once.
+    #[test]
+    fn a_claim_is_bounded_from_the_first_and_a_release_ends_it() {
+        let p = policy("p", json!({ "sticky": { "enabled": true, "fallbackAfter": "10s" } }));
+        let s = PlanSettings::default();
+        let claim = |first: f64, latest: f64, until: f64, renewals: u32| capo_api::StickyClaim {
+            at: MicroTime(at(latest)),
+            until: MicroTime(at(until)),
+            first_at: Some(MicroTime(at(first))),
+            renewals,
+            fell_back_at: None,
+            fell_back_reason: None,
+        };
+        let with = |c: capo_api::StickyClaim| {
+            let mut status = gone_at(0.0).unwrap();
+            status.claim = Some(c);
+            record("10.0.0.1", "p", 0.0, Some(status))
+        };
+        // Renewed twice; the webhook capped `until` at first + 10 s = 15.
+        let renewed = with(claim(5.0, 12.0, 15.0, 2));
+        assert_eq!(claim_pending(renewed.claim().unwrap(), Some(&p), at(14.0)), Some(at(15.0)));
+        assert_eq!(decide(&facts(&renewed, None, Some(&p), 14.0), &s).action, Action::Wait(Some(at(15.0))));
+        assert_eq!(claim_pending(renewed.claim().unwrap(), Some(&p), at(15.0)), None);
+        assert_eq!(
+            decide(&facts(&renewed, None, Some(&p), 15.0), &s).action,
+            Action::FallBack(FallBackReason::BoundReached)
+        );
+        // An `until` past the bound (a policy shortened since, an older capo's renewal):
+        // the bound still ends it, and the hold counts as any other.
+        let long = with(claim(5.0, 40.0, 130.0, 3));
+        assert_eq!(claim_pending(long.claim().unwrap(), Some(&p), at(14.0)), Some(at(15.0)));
+        assert_eq!(claim_pending(long.claim().unwrap(), Some(&p), at(16.0)), None);
+        assert_eq!(
+            decide(&facts(&long, None, Some(&p), 16.0), &s).action,
+            Action::FallBack(FallBackReason::BoundReached)
+        );
+        // A claim written before the bound existed (no firstAt): `at` stands in.
+        let mut old = claim(0.0, 5.0, 50.0, 0);
+        old.first_at = None;
+        let old = with(old);
+        assert_eq!(claim_pending(old.claim().unwrap(), Some(&p), at(14.0)), Some(at(15.0)));
+        assert_eq!(decide(&facts(&old, None, Some(&p), 15.0), &s).action, Action::FallBack(FallBackReason::NotShown));
+        // A claim written by a webhook replica whose clock is a day ahead: its times are
+        // taken as the leader's now (and written so), its bound runs from there.
+        let ahead = with(claim(86_400.0, 86_400.0, 86_410.0, 0));
+        let d = decide(&facts(&ahead, None, Some(&p), 10.0), &s);
+        let written = d.status.claim.clone().expect("the claim stays");
+        assert_eq!((written.first(), written.at.0), (at(10.0), at(10.0)));
+        assert_eq!(d.action, Action::Wait(Some(at(20.0))));
+        assert_eq!(
+            ahead_of(&ahead, at(10.0)),
+            vec![("status.claim.at", at(86_400.0)), ("status.claim.firstAt", at(86_400.0))]
+        );
+        let mut status = ahead.status.clone().unwrap();
+        status.claim = Some(written);
+        let seen = record("10.0.0.1", "p", 0.0, Some(status));
+        assert_eq!(decide(&facts(&seen, None, Some(&p), 20.0), &s).action, Action::FallBack(FallBackReason::NotShown));
+        // A fallen-back claim keeps nothing.
+        let mut fell = claim(5.0, 5.0, 15.0, 0);
+        fell.fell_back_at = Some(MicroTime(at(15.0)));
+        assert_eq!(claim_pending(&fell, Some(&p), at(6.0)), None);
+
+        // An operator's release ends a pending claim first (its addresses taken back from
+        // the Pod), and goes ahead once the claim has fallen back.
+        let pending = with(claim(5.0, 5.0, 15.0, 0));
+        let mut manual = pending.clone();
+        manual.spec.manual = Some(capo_api::ManualChange {
+            action: ManualAction::Release,
+            by: "alice".into(),
+            at: MicroTime(at(8.0)),
+            until: None,
+        });
+        assert_eq!(decide(&facts(&manual, None, Some(&p), 9.0), &s).action, Action::FallBack(FallBackReason::Released));
+        let mut missing = facts(&manual, None, Some(&p), 9.0);
+        missing.entry_present = false;
+        missing.missing_since = Some(at(1.0));
+        assert_eq!(decide(&missing, &s).action, Action::FallBack(FallBackReason::Released));
+        let mut released = manual.clone();
+        if let Some(c) = released.status.as_mut().and_then(|st| st.claim.as_mut()) {
+            c.fell_back_at = Some(MicroTime(at(9.0)));
+        }
+        assert_eq!(
+            decide(&facts(&released, None, Some(&p), 9.5), &s).action,
+            Action::Release { reason: ReleaseReason::Manual, due: at(8.0) }
+        );
+        // The workload deleted (releaseEarly.workloadDeleted) ends it too.
+        let early = policy(
+            "p",
+            json!({ "sticky": { "enabled": true, "fallbackAfter": "10s" }, "releaseEarly": { "workloadDeleted": true } }),
+        );
+        let mut owned = pending.clone();
+        owned.spec.pod.controller = Some(capo_api::reserved_ip::ControllerRef {
+            api_version: Some("apps/v1".into()),
+            kind: "StatefulSet".into(),
+            name: "kv".into(),
+            uid: Some("sts-uid".into()),
+        });
+        let mut f = facts(&owned, None, Some(&early), 9.0);
+        f.owner = Owner::Gone;
+        assert_eq!(decide(&f, &s).action, Action::FallBack(FallBackReason::WorkloadGone));
+    }
+
+    #[test]
+    fn times_ahead_of_the_clock_are_taken_as_now_and_reported() {
+        let p = policy("p", json!({}));
+        let s = PlanSettings::default();
+        // A podGoneAt a day ahead: counted from now (and written so), due 60 s later.
+        let r = record("10.0.0.1", "p", 0.0, gone_at(86_400.0));
+        let d = decide(&facts(&r, None, Some(&p), 10.0), &s);
+        assert_eq!(d.status.pod_gone_at, Some(MicroTime(at(10.0))));
+        assert_eq!(d.action, Action::Wait(Some(at(70.0))));
+        assert_eq!(ahead_of(&r, at(10.0)), vec![("status.podGoneAt", at(86_400.0))]);
+        // Within the skew allowance a start is believed.
+        let near = record("10.0.0.1", "p", 0.0, gone_at(14.0));
+        assert_eq!(decide(&facts(&near, None, Some(&p), 10.0), &s).status.pod_gone_at, Some(MicroTime(at(14.0))));
+        assert!(ahead_of(&near, at(10.0)).is_empty());
+        // A countdown start a former leader flushed, ahead by an hour, starts nothing: now.
+        let fresh = record("10.0.0.1", "p", 0.0, None);
+        let mut f = facts(&fresh, None, Some(&p), 10.0);
+        f.seen_gone = Some(at(3_600.0));
+        assert_eq!(decide(&f, &s).status.pod_gone_at, Some(MicroTime(at(10.0))));
+        // A podKeptSince ahead: the grace runs from now.
+        let mut kept = record("10.0.0.1", "p", 0.0, None);
+        kept.status = Some(ReservedIPStatus { pod_kept_since: Some(MicroTime(at(86_400.0))), ..Default::default() });
+        let running = pod_of(&kept, false, "Running");
+        let d = decide(&facts(&kept, Some(&running), Some(&p), 10.0), &s);
+        assert_eq!(d.status.pod_kept_since, Some(MicroTime(at(10.0))));
+        assert_eq!(d.action, Action::Wait(Some(at(10.0 + s.kept_pod_grace.as_secs_f64()))));
+        // A reservedAt a day after its record was created: taken as the creation (plus
+        // the allowance), so the settle time ends and the countdown starts.
+        let mut late = record("10.0.0.1", "p", 86_400.0, None);
+        late.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0.0)));
+        assert_eq!(reserved_at(&late), at(5.0));
+        let mut f = facts(&late, None, Some(&p), 20.0);
+        f.departure_seen = false;
+        assert_eq!(decide(&f, &s).status.pod_gone_at, Some(MicroTime(at(20.0))));
+        assert_eq!(ahead_of(&late, at(20.0)), vec![("spec.reservedAt", at(86_400.0))]);
     }
 }

@@ -234,3 +234,39 @@ pub async fn kwok_node(client: &Client, name: &str) {
         nodes.create(&PostParams::default(), &node).await.expect("create kwok node");
     }
 }
+
+/// One of Calico's CRDs as `../shared/calico/<dir>/<file>` defines it (v3.32.1: `v3.32.1`
+/// for the `crd.projectcalico.org/v1` set, `projectcalico.org-v3` for the native one).
+pub fn calico_crd(
+    dir: &str,
+    file: &str,
+) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/calico").join(dir).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A Calico kind of `group`, for a dynamic client.
+pub fn resource(group: capo_api::CalicoApiGroup, kind: &str, plural: &str) -> kube::api::ApiResource {
+    kube::api::ApiResource {
+        group: group.group().into(),
+        version: group.version().into(),
+        api_version: group.api_version(),
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
+/// `ClusterInformation default` of `group` with `datastoreReady: ready`.
+pub async fn set_datastore_ready(client: &Client, group: capo_api::CalicoApiGroup, ready: bool) {
+    let api =
+        Api::<DynamicObject>::all_with(client.clone(), &resource(group, "ClusterInformation", "clusterinformations"));
+    let obj = json!({
+        "apiVersion": group.api_version(), "kind": "ClusterInformation",
+        "metadata": { "name": "default" },
+        "spec": { "datastoreReady": ready, "clusterType": "k8s" },
+    });
+    api.patch("default", &PatchParams::apply("capo-tests").force(), &Patch::Apply(obj))
+        .await
+        .expect("write ClusterInformation default");
+}

@@ -40,7 +40,7 @@ use self::shard::ShardWork;
 use self::slot::SlotWork;
 use super::announce::Announcements;
 use super::countdowns;
-use super::decide::PlanSettings;
+use super::decide::{self, PlanSettings};
 use super::writes::ReleaseError;
 use crate::calico::pools::{PoolStore, detect_ipam_api};
 use crate::calico::{CalicoError, Datastore, Reservations};
@@ -131,12 +131,12 @@ impl ReleaseEngine {
                 tasks.extend(store.watch_etcd(etcd));
             }
             Datastore::Kubernetes(_) => {
-                let Some(api_version) = detect_ipam_api(&self.client).await else {
+                if detect_ipam_api(&self.client).await.is_none() {
                     info!("pool guard: Calico's IPAM blocks are not served here; no pool guard");
                     return None;
-                };
-                info!(api_version, max_pool_share = share, "pool guard: watching Calico's IP pools");
-                tasks.extend(store.watch(&self.client, &api_version));
+                }
+                info!(max_pool_share = share, "pool guard: watching Calico's IP pools where Calico's IPAM reads");
+                tasks.push(store.follow(&self.client, self.reservations.writing_group(), true));
             }
         }
         Some(store)
@@ -159,6 +159,7 @@ impl ReleaseEngine {
             index: self.reservations.index().subscribe(),
             policies: self.policy_changes.subscribe(),
             pools: pools.as_ref().map(|p| p.subscribe()),
+            writing: self.reservations.writing_group().subscribe(),
         };
         let net_rx = self.pods.subscribe();
         let index = self.reservations.index().clone();
@@ -234,8 +235,12 @@ impl ReleaseEngine {
         let in_scope = |p: &str| leader.s.in_scope(p);
         tokio::select! {
             taken = self.read_countdowns(&fence) => {
-                let taken = leader.records.starts.load(&taken, &records, in_scope);
-                info!(namespace = %self.settings.namespace, starts = taken, "leader: read the countdowns a former leader kept");
+                let loaded = leader.records.starts.load(&taken, &records, in_scope, Timestamp::now());
+                for (record, read) in &loaded.ahead {
+                    warn!(record, start = %read, allowance = ?decide::SKEW_ALLOWANCE, "leader: a countdown start read back is later than now (a clock ahead, or an edit): taken as now");
+                    self.metrics.release.clock_ahead.with_label_values(&["countdownStart"]).inc();
+                }
+                info!(namespace = %self.settings.namespace, starts = loaded.taken, ahead = loaded.ahead.len(), "leader: read the countdowns a former leader kept");
             }
             _ = fence.lost() => return,
         }
@@ -303,7 +308,10 @@ impl Leader {
     /// ([`countdowns::FLUSH_EVERY`]).
     async fn flush(self: Arc<Self>) {
         let s = &self.s;
-        let mut tick = tokio::time::interval(s.settings.flush_every);
+        // The first write one period into the term, not at once: the term has just read
+        // the starts back, and a write racing the workers' first look would be one more.
+        let mut tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + s.settings.flush_every, s.settings.flush_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;

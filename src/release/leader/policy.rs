@@ -174,12 +174,7 @@ impl PolicyWork {
             let counted: Vec<cap::Counted<'_>> = holds
                 .iter()
                 .zip(&standing)
-                // A claimed hold (sticky IPs) is never a victim while its claim is pending.
-                .filter(|(r, (s, _))| {
-                    !pacer.contains(r)
-                        && !matches!(s, Standing::Unsettled(_))
-                        && !r.claim().is_some_and(|c| c.pending(now))
-                })
+                .filter(|(r, (s, _))| !pacer.contains(r) && !matches!(s, Standing::Unsettled(_)))
                 .map(|(r, (s, age))| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.pod.namespace,
@@ -187,6 +182,9 @@ impl PolicyWork {
                     present: *s == Standing::Present,
                     created: *age,
                     reserved_at: r.spec.reserved_at.0,
+                    // A claimed hold (sticky IPs) counts, and is never a victim while its
+                    // claim is pending: a claim is a reason to keep it, not to leave it out.
+                    kept: r.claim().and_then(|c| decide::claim_pending(c, Some(&policy), now)).is_some(),
                 })
                 .collect();
             cap::over_cap(policy.max_reserved as usize, policy.max_reserved_per_namespace.map(|n| n as usize), counted)

@@ -13,7 +13,7 @@ use tracing::warn;
 use super::context::Shared;
 use crate::calico::entry;
 use crate::events::policy_ref;
-use crate::release::decide::ReleaseReason;
+use crate::release::decide::{self, ReleaseReason};
 use crate::release::{cap, consistency};
 
 #[derive(Default)]
@@ -47,9 +47,7 @@ impl PoolWork {
             let pacer = s.pacer();
             let counted: Vec<cap::Counted<'_>> = held
                 .iter()
-                .filter(|r| {
-                    s.in_scope(&r.spec.policy) && !pacer.contains(r) && !r.claim().is_some_and(|c| c.pending(now))
-                })
+                .filter(|r| s.in_scope(&r.spec.policy) && !pacer.contains(r))
                 .map(|r| cap::Counted {
                     name: r.metadata.name.as_deref().unwrap_or_default(),
                     group: &r.spec.policy,
@@ -58,6 +56,11 @@ impl PoolWork {
                     present: false,
                     created: r.metadata.creation_timestamp.as_ref().map_or(r.spec.reserved_at.0, |t| t.0),
                     reserved_at: r.spec.reserved_at.0,
+                    // Counted, never chosen, while a sticky claim keeps it.
+                    kept: r
+                        .claim()
+                        .and_then(|c| decide::claim_pending(c, matcher.get(&r.spec.policy).map(|p| &**p), now))
+                        .is_some(),
                 })
                 .collect();
             let share = |p: &str| matcher.get(p).and_then(|c| c.max_pool_share);

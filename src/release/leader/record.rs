@@ -18,7 +18,7 @@ use super::policy::PolicyWork;
 use super::starts::Starts;
 use crate::release::consistency;
 use crate::release::countdowns::Part;
-use crate::release::decide::{self, Action, Facts, PodState};
+use crate::release::decide::{self, Action, Facts, FallBackReason, PodState};
 use crate::release::writes::{RecordFate, ReleaseError};
 use crate::store::workloads::Owner;
 
@@ -33,6 +33,8 @@ struct Memory {
     /// the store still shows it (the watch is behind the leader's own write), another write
     /// against it could only fail, and would cost the API server a request per look.
     written: HashMap<String, (String, String)>,
+    /// Record → (uid, resourceVersion) whose times ahead of the clock were reported.
+    ahead: HashMap<String, (String, String)>,
 }
 
 #[derive(Default)]
@@ -59,6 +61,7 @@ impl RecordWork {
         memory.missing.remove(name);
         memory.inconsistent.remove(name);
         memory.written.remove(name);
+        memory.ahead.remove(name);
         drop(memory);
         self.starts.remove(name);
     }
@@ -109,6 +112,7 @@ impl RecordWork {
         }
         let Ok(group) = spec.calico_api_group.parse::<CalicoApiGroup>() else { return Ok(None) };
         let now = Timestamp::now();
+        self.warn_ahead(s, &rec, now);
         let entry_present = s.index.get(group, &spec.reservation).is_some_and(|v| v.position(&spec.cidr).is_some());
         let (missing_since, seen_gone) = self.remembered(&rec, entry_present, now);
         let pod = s.pods.get(&spec.pod.namespace, &spec.pod.name);
@@ -150,9 +154,12 @@ impl RecordWork {
         // A hold first looked at once it is already due (it waited behind a storm of new
         // holds) is released without writing a status it no longer needs: a worker held by
         // that write would be one more delay for every release behind it.
-        let releasing = matches!(decision.action, Action::Release { .. } | Action::FallBack);
+        let releasing = matches!(decision.action, Action::Release { .. } | Action::FallBack(_));
         if !releasing && status != current {
             self.write_status(s, &rec, &status).await?;
+        }
+        if !releasing && entry_present {
+            reassert(s, &rec, group).await?;
         }
         match decision.action {
             Action::Wait(at) => Ok(at.map(instant)),
@@ -169,8 +176,8 @@ impl RecordWork {
                 info!(record = name, reservation = %spec.reservation, "wrote a missing entry back");
                 Ok(None)
             }
-            Action::FallBack => {
-                self.fall_back(s, &rec, status).await?;
+            Action::FallBack(why) => {
+                self.fall_back(s, &rec, status, why).await?;
                 Ok(None)
             }
             Action::Drop { reason, due } => {
@@ -180,6 +187,24 @@ impl RecordWork {
                 }
                 Ok(None)
             }
+        }
+    }
+
+    /// Says, once per record version, which of its times are ahead of this leader's clock
+    /// by more than the skew allowance (the decision takes each as now, or as the record's
+    /// creation).
+    fn warn_ahead(&self, s: &Shared, rec: &capo_api::ReservedIP, now: Timestamp) {
+        let ahead = decide::ahead_of(rec, now);
+        if ahead.is_empty() {
+            return;
+        }
+        let version = (rec.uid().unwrap_or_default(), rec.resource_version().unwrap_or_default());
+        if self.memory().ahead.insert(rec.name_any(), version.clone()) == Some(version) {
+            return;
+        }
+        for (field, at) in ahead {
+            s.metrics.release.clock_ahead.with_label_values(&[field]).inc();
+            warn!(record = %rec.name_any(), field, at = %at, now = %now, allowance = ?decide::SKEW_ALLOWANCE, "a hold's time is later than now (a clock ahead, or an edit): taken as now");
         }
     }
 
@@ -203,14 +228,16 @@ impl RecordWork {
         Ok(())
     }
 
-    /// Sticky IPs: the recreated Pod did not show the address in time. Its handed-back
-    /// addresses are taken back (so Calico's CNI plugin gives it new ones on its next
-    /// try), then the claim is noted as fallen back; the hold runs its course.
+    /// Sticky IPs: the claim ended before the recreated Pod showed the address (`why`).
+    /// Its handed-back addresses are taken back (so Calico's CNI plugin gives it new ones
+    /// on its next try), then the claim is noted as fallen back, and why; the hold runs its
+    /// course (or the release that ended the claim goes ahead at the next look).
     async fn fall_back(
         &self,
         s: &Shared,
         rec: &capo_api::ReservedIP,
         mut status: capo_api::ReservedIPStatus,
+        why: FallBackReason,
     ) -> Result<(), ReleaseError> {
         s.fence.check()?;
         // Fallen back already against this version: the store has not shown the written
@@ -229,22 +256,40 @@ impl RecordWork {
             .map_err(|source| ReleaseError::Mark { pod: format!("{ns}/{name}"), source })?;
         if let Some(claim) = status.claim.as_mut() {
             claim.fell_back_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(Timestamp::now()));
+            claim.fell_back_reason = Some(why.as_field().to_string());
         }
         if !s.writes.status(rec, &status).await? {
             // Changed since it was read (or gone): looked at again when the watch shows it.
             return Ok(());
         }
         self.memory().written.insert(rec.name_any(), version);
-        let until = rec.claim().map(|c| c.until.0.to_string()).unwrap_or_default();
-        warn!(record = %rec.name_any(), pod = %format!("{ns}/{name}"), ip = %spec.ip, took_back = taken.is_some(), "sticky: the Pod did not come up with its old address in time; it gets a new one, the old one stays held");
+        let (until, first, renewals) =
+            rec.claim().map(|c| (c.until.0.to_string(), c.first().to_string(), c.renewals)).unwrap_or_default();
+        let pod_name = format!("{ns}/{name}");
+        warn!(record = %rec.name_any(), pod = %pod_name, ip = %spec.ip, reason = why.as_label(), renewals, took_back = taken.is_some(), "sticky: the claim ended before the Pod came up with its old address; it gets a new one, the old one stays held");
         // Counted whether or not a Pod of that name is there to take the addresses from
         // (the StatefulSet scaled down meanwhile, or a CREATE the API server then refused).
-        s.metrics.release.sticky_fallbacks.with_label_values(&[&spec.policy]).inc();
+        s.metrics.release.sticky_fallbacks.with_label_values(&[&spec.policy, why.as_label()]).inc();
+        let ended = match why {
+            FallBackReason::NotShown => format!("it did not come up with it by {until}"),
+            FallBackReason::BoundReached => format!(
+                "it was created again {renewals} times without coming up with it, and a claim lasts at most sticky.fallbackAfter from the first ({first})"
+            ),
+            FallBackReason::Released => "an operator released the hold (capo release)".to_string(),
+            FallBackReason::WorkloadGone => "its workload or namespace was deleted".to_string(),
+        };
+        let ip = &spec.ip;
+        let then = match why {
+            FallBackReason::NotShown | FallBackReason::BoundReached => "stays held for the rest of its time",
+            FallBackReason::Released | FallBackReason::WorkloadGone => "is released now",
+        };
+        let note = format!(
+            "capo handed {ip} back to {pod_name} but {ended}: removed cni.projectcalico.org/ipAddrs so Calico assigns a new address; {ip} {then}"
+        );
+        // On the record always (`kubectl describe reservedip`), on the Pod if there is one.
+        let record = kube::Resource::object_ref(rec, &());
+        s.events.publish(&record, EventType::Warning, "StickyFellBack", "FallBack", note.clone()).await;
         if let Some(uid) = taken {
-            let note = format!(
-                "capo handed {} back to this Pod but it did not come up with it by {until}: removed cni.projectcalico.org/ipAddrs so Calico assigns a new address; {} stays held for the rest of its time",
-                spec.ip, spec.ip
-            );
             let pod = crate::events::pod_ref(ns, name, &uid);
             s.events.publish(&pod, EventType::Warning, "StickyFellBack", "FallBack", note).await;
         }
@@ -298,4 +343,27 @@ impl RecordWork {
         };
         (missing_since, seen_gone)
     }
+}
+
+/// Once a datastore migration has moved new holds to the group Calico reads: a hold still
+/// only in its old group (written there after the migration copied its shard, or while no
+/// capo ran) is put there too, into the shard of the same name. Its record keeps naming
+/// the old group; the copy is the record's too, and is released with it.
+async fn reassert(s: &Shared, rec: &capo_api::ReservedIP, group: CalicoApiGroup) -> Result<(), ReleaseError> {
+    let spec = &rec.spec;
+    let writing = s.reservations.group();
+    if s.index.canonical(group) == writing
+        || !s.reservations.writing_group().calico_reads_where_capo_writes()
+        || !s.index.is_synced(writing)
+        || s.index.get(writing, &spec.reservation).is_some_and(|v| v.position(&spec.cidr).is_some())
+    {
+        return Ok(());
+    }
+    s.reservations
+        .write_back(writing, &spec.reservation, &spec.policy, &spec.cidr, &s.fence)
+        .await
+        .map_err(|source| ReleaseError::Reservation { reservation: spec.reservation.clone(), source })?;
+    s.metrics.release.repairs.with_label_values(&["reasserted"]).inc();
+    info!(record = %rec.name_any(), reservation = %spec.reservation, from = %group, to = %writing, "re-asserted a hold where Calico reads now (a datastore migration moved it)");
+    Ok(())
 }

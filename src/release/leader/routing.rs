@@ -10,11 +10,12 @@ use std::time::Duration;
 use capo_api::CalicoApiGroup;
 use capo_api::reserved_ip::record_name;
 use kube::ResourceExt;
-use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::{broadcast, watch};
 
 use super::Leader;
 use super::context::{Key, POOL_SETTLE};
+use crate::calico::writing::Groups;
 use crate::calico::{IndexEvent, entry};
 use crate::store::pods::PodEvent;
 use crate::store::records::RecordEvent;
@@ -41,6 +42,8 @@ pub struct Receivers {
     pub index: broadcast::Receiver<IndexEvent>,
     pub policies: broadcast::Receiver<()>,
     pub pools: Option<broadcast::Receiver<String>>,
+    /// Where new holds go, and where Calico reads (a datastore migration moves both).
+    pub writing: watch::Receiver<Groups>,
 }
 
 /// The next pool change, or never when there is no pool guard.
@@ -143,6 +146,7 @@ impl Leader {
     /// Turns events into keys until the term ends.
     pub(super) async fn pump(self: Arc<Self>, mut rx: Receivers) {
         let s = &self.s;
+        let mut writing_told = true;
         loop {
             tokio::select! {
                 e = rx.pods.recv() => match got(e) {
@@ -194,6 +198,12 @@ impl Leader {
                 e = rx.policies.recv() => match got(e) {
                     Some(_) => self.policies_changed(),
                     None => return,
+                },
+                moved = rx.writing.changed(), if writing_told => match moved {
+                    // Every hold is looked at again: those only in the old group are
+                    // re-asserted where Calico reads now.
+                    Ok(()) => self.enqueue_everything(),
+                    Err(_) => writing_told = false,
                 },
                 e = next_pool(&mut rx.pools) => match got(e) {
                     Some(Some(pool)) if !pool.is_empty() => s.queue.add_after(Key::Pool(pool), POOL_SETTLE),

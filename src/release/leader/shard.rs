@@ -90,8 +90,16 @@ impl ShardWork {
                     // adopted nor removed as redundant.
                     return Some((group, view.name.clone()));
                 }
-                let group = r.spec.calico_api_group.parse::<CalicoApiGroup>().ok()?;
-                Some((s.index.canonical(group), r.spec.reservation.clone()))
+                let recorded = s.index.canonical(r.spec.calico_api_group.parse::<CalicoApiGroup>().ok()?);
+                if recorded != group && r.spec.reservation == view.name {
+                    // The same shard in the other group, a store of its own: Calico's
+                    // datastore migration copied it there, or the leader re-asserted the
+                    // hold there after the migration. This entry is the record's too (during
+                    // the migration it is what Calico reads next), and goes when the hold
+                    // is released.
+                    return Some((group, view.name.clone()));
+                }
+                Some((recorded, r.spec.reservation.clone()))
             })
         };
         let plan = {

@@ -35,6 +35,8 @@ const MARK_BACKOFF_MAX: Duration = Duration::from_secs(300);
 /// How often a release waits for its Pod's mark (2 s, doubling: about 2 minutes in all)
 /// before it goes without it.
 const MARK_ATTEMPTS: u32 = 6;
+/// When a released hold's record that could not be deleted is looked at again.
+const RECORD_RETRY: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 pub struct SlotWork {
@@ -104,7 +106,17 @@ impl SlotWork {
         };
         let mut by_shard: BTreeMap<(CalicoApiGroup, String), (BTreeSet<String>, BTreeSet<String>)> = BTreeMap::new();
         for l in &leaving {
-            let (cidrs, reviewable) = by_shard.entry(shard_of(l)).or_default();
+            let (recorded, shard) = shard_of(l);
+            // The same shard in the other group, where the two are stores of their own
+            // (Calico's datastore migration copied it, or the leader re-asserted the hold
+            // there): the copy goes too.
+            let other = s.reservations.index().canonical(recorded.other());
+            let copied = other != recorded
+                && s.reservations.index().get(other, &shard).is_some_and(|v| v.position(&l.record.spec.cidr).is_some());
+            if copied {
+                by_shard.entry((other, shard.clone())).or_default().0.insert(l.record.spec.cidr.clone());
+            }
+            let (cidrs, reviewable) = by_shard.entry((recorded, shard)).or_default();
             cidrs.insert(l.record.spec.cidr.clone());
             // Its Pod's deletion may still be reviewed (the store shows the Pod, or never saw
             // it leave): an entry written a moment ago stays until it has settled.
@@ -163,6 +175,12 @@ impl SlotWork {
             pacer.finish(failed_records.iter().map(|(l, _)| l.name()));
             pacer.waiting(policy)
         };
+        // Their entries are out and their records stay: each is looked at again on its own
+        // (a hold over whose entry is missing drops its record, and is counted then).
+        for (l, e) in &failed_records {
+            warn!(record = %l.name(), policy, error = ?e.as_ref().err().map(ToString::to_string), "the record of a released hold could not be deleted; looking at it again");
+            s.queue.add_after(Key::Record(l.name()), RECORD_RETRY);
+        }
         let result = failed_records.into_iter().map(|(_, r)| r).next().unwrap_or(Ok(()));
         if let Some(e) = failed {
             return Err(e);
@@ -268,20 +286,49 @@ fn still_decided(s: &Shared, leaving: Vec<Leaving>) -> (Vec<Leaving>, Vec<Leavin
     })
 }
 
-/// The entry is out: the record goes (if it still describes this hold).
+/// How often a record deletion whose answer was lost (the connection closed after the
+/// request was sent) is looked at again before the release is retried from its slot.
+const UNKNOWN_OUTCOME_ATTEMPTS: usize = 3;
+
+/// Whether a failed record write may have landed: no answer came (the connection closed,
+/// a timeout), as opposed to an answer that refused it.
+fn outcome_unknown(e: &ReleaseError) -> bool {
+    matches!(e, ReleaseError::Record { source, .. } if !matches!(source, kube::Error::Api(_)))
+}
+
+/// The entry is out: the record goes (if it still describes this hold). A deletion whose
+/// answer was lost is read back: a record that is gone was released (counted once, here),
+/// one that is still there is deleted again.
 async fn finish_release(s: &Shared, l: &Leaving) -> Result<(), ReleaseError> {
     let spec = &l.record.spec;
+    let done = || {
+        s.released(&spec.policy, l.reason, Some(l.due));
+        info!(ip = %spec.cidr, reservation = %spec.reservation, reason = l.reason.as_str(), "released");
+    };
     let mut current = (*l.record).clone();
-    for _ in 0..3 {
-        match s.writes.delete(&current).await? {
-            RecordFate::Deleted | RecordFate::AlreadyGone => {
-                s.released(&spec.policy, l.reason, Some(l.due));
-                info!(ip = %spec.cidr, reservation = %spec.reservation, reason = l.reason.as_str(), "released");
+    for attempt in 1..=UNKNOWN_OUTCOME_ATTEMPTS {
+        match s.writes.delete(&current).await {
+            Ok(RecordFate::Deleted | RecordFate::AlreadyGone) => {
+                done();
                 return Ok(());
             }
-            RecordFate::Changed => {}
+            Ok(RecordFate::Changed) => {}
+            Err(e) if outcome_unknown(&e) && attempt < UNKNOWN_OUTCOME_ATTEMPTS => {
+                warn!(record = %l.name(), attempt, error = %e, "the record's deletion got no answer; reading it back");
+            }
+            Err(e) => return Err(e),
         }
-        let Some(now) = s.writes.read(&l.name()).await? else { return Ok(()) };
+        let Some(now) = s.writes.read(&l.name()).await? else {
+            // Gone: by this deletion (its answer lost) or another; its entry is out.
+            done();
+            return Ok(());
+        };
+        if now.metadata.uid == current.metadata.uid
+            && now.metadata.resource_version == current.metadata.resource_version
+        {
+            // Unchanged: the lost deletion did not land; it is sent again.
+            continue;
+        }
         if now.spec.pod.uid != spec.pod.uid || now.spec.reservation != spec.reservation {
             // Held for another Pod meanwhile: its entry goes back.
             let group = now.spec.calico_api_group.parse::<CalicoApiGroup>().unwrap_or(s.reservations.group());

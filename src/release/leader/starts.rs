@@ -15,6 +15,7 @@ use tracing::{debug, warn};
 
 use crate::leader::Fence;
 use crate::release::countdowns::{self, Part};
+use crate::release::decide;
 use crate::store::RecordIndex;
 
 struct Start {
@@ -36,6 +37,16 @@ struct Inner {
     existing: BTreeSet<Part>,
     /// Policy → how many of its holds count down (`capo_countdowns_running`).
     running: HashMap<String, i64>,
+}
+
+/// What [`Starts::load`] took from a former leader's ConfigMaps.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// How many starts were taken.
+    pub taken: usize,
+    /// Records whose start was later than now (plus the skew allowance), with the start
+    /// read; each was taken as now.
+    pub ahead: Vec<(String, Timestamp)>,
 }
 
 #[derive(Default)]
@@ -119,15 +130,22 @@ impl Starts {
     /// What a former leader flushed (`cms`, the countdown ConfigMaps of capo's namespace),
     /// for the records of `records` that are in scope and carry no `status.podGoneAt`;
     /// a ConfigMap naming records that are gone is written again at the next flush.
-    /// Returns how many starts were taken.
-    pub fn load(&self, cms: &[ConfigMap], records: &RecordIndex, in_scope: impl Fn(&str) -> bool) -> usize {
+    /// Returns how many starts were taken, and the records whose start was ahead of `now`
+    /// (taken as `now`, and written so at the next flush).
+    pub fn load(
+        &self,
+        cms: &[ConfigMap],
+        records: &RecordIndex,
+        in_scope: impl Fn(&str) -> bool,
+        now: Timestamp,
+    ) -> Loaded {
         let by_uid: HashMap<String, _> = records
             .matching(|r| in_scope(&r.spec.policy))
             .into_iter()
             .filter_map(|r| Some((r.metadata.uid.clone()?, r)))
             .collect();
         let mut inner = self.inner();
-        let mut taken = 0;
+        let mut loaded = Loaded::default();
         for cm in cms {
             let (Some(part), starts) = countdowns::parse(cm) else { continue };
             if !in_scope(&part.policy) {
@@ -153,8 +171,18 @@ impl Starts {
                 // A ConfigMap anyone with rights in capo's namespace can edit is a claim: a
                 // start before the record existed (the API server's clock) is never taken.
                 let at = rec.metadata.creation_timestamp.as_ref().map_or(at, |c| at.max(c.0));
+                // Nor one later than now (a former leader's clock ahead of this one's, an
+                // edit): counted from it, the hold would stay until that date.
+                let at = match decide::not_ahead(at, now) {
+                    taken if taken != at => {
+                        loaded.ahead.push((name.clone(), at));
+                        inner.dirty.insert(at_part.clone());
+                        taken
+                    }
+                    _ => at,
+                };
                 inner.insert(name, Start { uid, at, part: at_part });
-                taken += 1;
+                loaded.taken += 1;
             }
         }
         let policies: Vec<String> = inner.running.keys().cloned().collect();
@@ -162,7 +190,7 @@ impl Starts {
             self.report(&inner, &policy);
         }
         // Loading is not a change: only what differs from the objects is written back.
-        taken
+        loaded
     }
 
     /// Writes the ConfigMap of every shard whose starts changed since the last flush
