@@ -28,7 +28,7 @@ use capo_api::CalicoApiGroup;
 use kube::Client;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use serde_json::json;
-use support::calico::{calico_crd, set_datastore_ready};
+use support::calico::{calico_crd, resource, set_datastore_ready};
 use support::leading::*;
 use support::*;
 
@@ -45,7 +45,21 @@ const NATIVE: [&str; 7] = [
     "projectcalico.org_ipreservations.yaml",
 ];
 
-/// capo's CRDs, Calico's native v3 set (its datastore ready), and a namespace.
+/// Creates a v3 `kind` object `name` with `spec` (there already: left as it is).
+async fn create_v3(client: &Client, kind: &str, plural: &str, name: &str, spec: serde_json::Value) {
+    let api = Api::<DynamicObject>::all_with(client.clone(), &resource(V3, kind, plural));
+    let mut obj = DynamicObject::new(name, &resource(V3, kind, plural));
+    obj.data = json!({ "spec": spec });
+    match api.create(&PostParams::default(), &obj).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create {kind} {name}: {e}"),
+    }
+}
+
+/// capo's CRDs, Calico's native v3 set (its datastore ready), the disabled pools the
+/// tests' hand-made addresses come from (as the IPAM driver makes them on v1: every
+/// address a test Pod has is in a Calico pool, as on a real cluster), and a namespace.
 async fn setup_v3(prefix: &str) -> (Client, TestNamespace) {
     let client = client_without_calico().await;
     install_capo_crds(&client).await;
@@ -53,6 +67,14 @@ async fn setup_v3(prefix: &str) -> (Client, TestNamespace) {
         install_crd(&client, calico_crd("projectcalico.org-v3", file)).await;
     }
     set_datastore_ready(&client, V3, true).await;
+    for (name, cidr) in [("capo-testenv-handmade-ipv4", "198.19.0.0/16"), ("capo-testenv-handmade-ipv6", "2001:2::/64")]
+    {
+        let spec = json!({
+            "cidr": cidr, "disabled": true, "ipipMode": "Never", "vxlanMode": "Never",
+            "nodeSelector": "!all()", "allowedUses": ["Workload"],
+        });
+        create_v3(&client, "IPPool", "ippools", name, spec).await;
+    }
     let ns = TestNamespace::create(&client, prefix).await;
     (client, ns)
 }
@@ -256,4 +278,61 @@ async fn native_v3_holds_leave_oldest_first_at_the_cap_and_on_time_under_the_nex
         assert!(after <= reserve + Duration::from_secs(4), "{ip} left {after:?} after its deletion: late");
     }
     assert!(stored_entries(&client, &policy).await.is_empty(), "nothing left behind");
+}
+
+/// A KubeVirt VM's address as Calico 3.32+ keeps it (`kubeVirtVMAddressPersistence`, on by
+/// default): its launcher Pod's CNI DEL leaves the address allocated to the VM's handle
+/// (`k8s-pod-network.vmi.<namespace>.<vm>`) with the VMI's attributes (`vmi-name`,
+/// `vmi-uid`, `vm-uid`; the launcher's `pod` cleared). The launcher Pod's deletion, under
+/// a policy selecting every Pod, is allowed with no hold; a plain Pod's address in the
+/// same pool is held. The pool guard counts the VM's address once, as Calico's: of the
+/// pool's 16 addresses, one allocated (the VM), one held (the plain Pod), 14 free.
+#[tokio::test]
+async fn a_vms_persisted_address_is_neither_held_nor_counted_twice_by_the_pool_guard() {
+    let spec = json!({ "podSelector": {}, "reserveFor": "1h" });
+    let Scene { client, ns, capo, policy } = scene_v3("v3-vm", spec).await;
+    let pool = format!("{}-vms", ns.name);
+    let pool_spec = json!({
+        "cidr": "10.250.0.0/28", "blockSize": 28, "ipipMode": "Never", "vxlanMode": "Never",
+        "natOutgoing": true, "nodeSelector": "all()", "allowedUses": ["Workload", "Tunnel"],
+    });
+    create_v3(&client, "IPPool", "ippools", &pool, pool_spec).await;
+    // The VM's address is ordinal 2 (10.250.0.2); every other address is free.
+    let mut allocations = vec![serde_json::Value::Null; 16];
+    allocations[2] = json!(0);
+    let unallocated: Vec<u32> = (0..16).filter(|o| *o != 2).collect();
+    let block = json!({
+        "cidr": "10.250.0.0/28", "affinity": "host:kwok-node-0", "strictAffinity": false,
+        "allocations": allocations, "unallocated": unallocated, "sequenceNumber": 3,
+        "attributes": [{
+            "handle_id": format!("k8s-pod-network.vmi.{}.vm1", ns.name),
+            "secondary": {
+                "namespace": ns.name, "node": "kwok-node-0", "timestamp": "2026-12-07 10:00:00 +0000 UTC",
+                "vmi-name": "vm1", "vmi-uid": "5f0c1e9a-0000-4000-8000-00000000a001",
+                "vm-uid": "5f0c1e9a-0000-4000-8000-00000000b001",
+            },
+        }],
+    });
+    create_v3(&client, "IPAMBlock", "ipamblocks", "10-250-0-0-28", block).await;
+    let (vm_ip, plain_ip): (IpAddr, IpAddr) = ("10.250.0.2".parse().unwrap(), "10.250.0.5".parse().unwrap());
+    let launcher = unscheduled_pod(
+        "virt-launcher-vm1-abcde",
+        &[("kubevirt.io", "virt-launcher"), ("vm.kubevirt.io/name", "vm1")],
+        &[("kubevirt.io/domain", "vm1")],
+    );
+    create_pod_with_ips(&client, &ns.name, launcher, &[vm_ip]).await;
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("plain", &[], &[]), &[plain_ip]).await;
+    delete_pod(&client, &ns.name, "virt-launcher-vm1-abcde").await.expect("allowed");
+    delete_pod(&client, &ns.name, "plain").await.expect("allowed, held");
+    wait_metric(&capo, "capo_admission_skipped_total{reason=\"kubevirt_vm\"}", 1.0).await;
+    let entries = policy_entries(&client, V3, &policy).await;
+    assert_eq!(entries, vec![cidr(plain_ip)], "the plain Pod's address held, the VM's not");
+    assert!(record(&client, vm_ip).await.is_none(), "no hold for the VM's address");
+    let gauge = |name: &str| metric_value(&capo, &format!("{name}{{pool=\"{pool}\"}}"));
+    let seen = eventually("the pool guard to count the pool", Duration::from_secs(20), || async {
+        let seen = (gauge("capo_pool_addresses"), gauge("capo_pool_held_ips"), gauge("capo_pool_free_addresses"));
+        (seen.1 == Some(1.0)).then_some(seen)
+    })
+    .await;
+    assert_eq!(seen, (Some(16.0), Some(1.0), Some(14.0)), "(addresses, held, free): the VM's address counted once");
 }

@@ -82,6 +82,9 @@ pub const REAL_NODE: &str = "real-node";
 
 const NO_API_SERVER: &str = "talks to no API server";
 
+/// Measured on 1.30: the API server refuses the CRD (422, "undeclared reference to 'cidr'").
+const NATIVE_V3: &str = "Calico 3.32.1's native v3 IPPool CRD validates with CEL's IP and CIDR library, which API servers before 1.31 refuse";
+
 /// Every test binary of `tests/`. Weights: how many of the `--jobs` slots a binary takes
 /// (measured: CPU time of the binary and its control plane against its wall time, in
 /// `make test`'s table; 1 is about a fifth of this machine's two cores).
@@ -102,8 +105,8 @@ pub const BINARIES: &[Binary] = &[
     Binary { weight: 3, ..bin("correctness", "release") },
     Binary { weight: 2, ..bin("calico_ipam", "calico") },
     Binary { needs: &["calico-apiserver"], ..bin("calico_apiserver", "calico") },
-    Binary { needs: &["calico-apiserver"], ..bin("calico_migration", "calico") },
-    bin("calico_v3", "calico"),
+    Binary { latest_only: Some(NATIVE_V3), needs: &["calico-apiserver"], ..bin("calico_migration", "calico") },
+    Binary { latest_only: Some(NATIVE_V3), ..bin("calico_v3", "calico") },
     bin("release", "release"),
     Binary { weight: 2, ..bin("failover", "release") },
     // Every one of 2,000 releases within 10 s of its due time (all within 1 s alone, a
