@@ -6,17 +6,28 @@ use kube::Client;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::debug;
 
+use crate::policy::SharedMatcher;
+
 /// Publishes Events as `capo` (this replica's identity as the instance). A failure to
 /// publish is logged and otherwise ignored: an Event never fails the work it reports.
 #[derive(Clone)]
 pub struct Events {
     recorder: Recorder,
+    /// The compiled policies, for the UID of a CapoPolicy an Event is about.
+    policies: Option<SharedMatcher>,
 }
 
 impl Events {
     pub fn new(client: Client, identity: &str) -> Self {
         let reporter = Reporter { controller: "capo".into(), instance: Some(identity.to_string()) };
-        Self { recorder: Recorder::new(client, reporter) }
+        Self { recorder: Recorder::new(client, reporter), policies: None }
+    }
+
+    /// Events about a CapoPolicy carry its UID from `policies`: `kubectl describe
+    /// capopolicy` lists only the Events whose object has the policy's UID.
+    pub fn naming_policies_by_uid(mut self, policies: SharedMatcher) -> Self {
+        self.policies = Some(policies);
+        self
     }
 
     pub async fn publish(
@@ -29,11 +40,27 @@ impl Events {
     ) {
         let ev =
             Event { type_, reason: reason.into(), note: Some(fit_note(note)), action: action.into(), secondary: None };
+        let reference = &self.with_policy_uid(reference);
         if let Err(e) = self.recorder.publish(&ev, reference).await {
             debug!(error = %e, reason, "could not publish an Event");
         }
     }
 }
+
+impl Events {
+    fn with_policy_uid(&self, reference: &ObjectReference) -> ObjectReference {
+        let mut reference = reference.clone();
+        if reference.kind.as_deref() == Some(POLICY_KIND)
+            && reference.uid.is_none()
+            && let (Some(policies), Some(name)) = (&self.policies, reference.name.as_deref())
+        {
+            reference.uid = policies.load().get(name).and_then(|p| p.uid.clone());
+        }
+        reference
+    }
+}
+
+const POLICY_KIND: &str = "CapoPolicy";
 
 /// The API server refuses an Event whose note is longer than 1024 bytes (an API error
 /// quoted in full can be): cut at a character boundary, marked with an ellipsis.
@@ -54,7 +81,7 @@ fn fit_note(mut note: String) -> String {
 pub fn policy_ref(name: &str) -> ObjectReference {
     ObjectReference {
         api_version: Some("capo.io/v1alpha1".into()),
-        kind: Some("CapoPolicy".into()),
+        kind: Some(POLICY_KIND.into()),
         name: Some(name.into()),
         ..Default::default()
     }

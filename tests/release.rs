@@ -113,6 +113,12 @@ async fn the_cap_releases_the_oldest_first_and_the_count_never_stays_above_it() 
     assert_eq!(wait_metric(&capo, &cap, 3.0).await, 3.0);
     let note = wait_event(&client, "default", &policy, "CapReached").await;
     assert!(note.contains("maxReserved=2"), "{note}");
+    // kubectl describe lists only the Events whose object carries the policy's UID.
+    let (ok, described) = kubectl(&["describe", "capopolicy", &policy], None).await;
+    assert!(
+        ok && described.contains("CapReached"),
+        "kubectl describe capopolicy shows the policy's Events: {described}"
+    );
     let note = wait_event(&client, &ns.name, "redis-4", "IPHeld").await;
     assert!(note.contains(&ips[4].to_string()), "{note}");
     assert_eq!(metric_value(&capo, &format!("capo_held_ips{{policy=\"{policy}\"}}")), Some(2.0));

@@ -10,6 +10,8 @@ use kube::ResourceExt;
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompiledPolicy {
     pub name: String,
+    /// The CapoPolicy's UID: Events about it name it, so `kubectl describe` shows them.
+    pub uid: Option<String>,
     pub generation: Option<i64>,
     pub namespace_selector: Option<LabelSelector>,
     pub pod_selector: Option<LabelSelector>,
@@ -135,6 +137,7 @@ impl CompiledPolicy {
         };
         Ok(Self {
             name,
+            uid: policy.metadata.uid.clone(),
             generation: policy.metadata.generation,
             namespace_selector: spec.namespace_selector.clone(),
             pod_selector: spec.pod_selector.clone(),

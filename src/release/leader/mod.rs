@@ -186,7 +186,7 @@ impl ReleaseEngine {
                 warn!(error = %e, "leader: could not raise the epoch everywhere yet; it is raised before each write")
             }
         }
-        let events = Events::new(self.client.clone(), &self.identity);
+        let events = Events::new(self.client.clone(), &self.identity).naming_policies_by_uid(self.matcher.clone());
         let (announcements, announcing) = Announcements::spawn(events.clone(), Timestamp::now());
         let writer = HoldWriter::new(self.client.clone(), self.reservations.clone()).with_pods(self.pods.clone());
         let net = SafetyNet::new(
