@@ -99,6 +99,7 @@ async fn start_capo(
     let (port, probe) = (free_port(), free_port());
     let capo = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
         .args([
+            "run",
             &format!("--webhook-addr=127.0.0.1:{port}"),
             &format!("--self-register-url=https://127.0.0.1:{port}"),
             &format!("--probe-addr=127.0.0.1:{probe}"),

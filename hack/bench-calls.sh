@@ -35,7 +35,7 @@ target/debug/crdgen --calico | kubectl apply -f - >/dev/null 2>&1
 kubectl wait --for=condition=Established crd --all --timeout=60s >/dev/null
 kubectl create namespace capo-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 log="$state/capo.log"
-target/release/capo --webhook-addr 127.0.0.1:9443 --probe-addr 127.0.0.1:8081 \
+target/release/capo run --webhook-addr 127.0.0.1:9443 --probe-addr 127.0.0.1:8081 \
   --self-register-url https://127.0.0.1:9443 --tls-secret capo-webhook-tls >"$log" 2>&1 &
 capo_pid=$!
 for _ in $(seq 150); do

@@ -24,7 +24,7 @@ run kubectl get crd
 say "capo, serving its webhook at https://127.0.0.1:9443 (self-registered), and leading"
 kubectl create namespace capo-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 log="$(pwd)/.testenv/capo.log"
-target/debug/capo --webhook-addr 127.0.0.1:9443 --probe-addr 127.0.0.1:8081 \
+target/debug/capo run --webhook-addr 127.0.0.1:9443 --probe-addr 127.0.0.1:8081 \
   --self-register-url https://127.0.0.1:9443 --tls-secret capo-webhook-tls >"$log" 2>&1 &
 capo_pid=$!
 trap 'kill $capo_pid 2>/dev/null; wait $capo_pid 2>/dev/null || true' EXIT

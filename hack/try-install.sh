@@ -96,7 +96,7 @@ kubectl --kubeconfig "$sa_kubeconfig" config set-credentials capo-sa \
   --token="$(kubectl -n capo-system create token capo --duration=2h)" >/dev/null
 kubectl --kubeconfig "$sa_kubeconfig" config set-context --current --user=capo-sa >/dev/null
 log="$state/capo-try.log"
-KUBECONFIG="$sa_kubeconfig" POD_NAME=capo-local target/debug/capo \
+KUBECONFIG="$sa_kubeconfig" POD_NAME=capo-local target/debug/capo run \
   --namespace capo-system --tls-secret capo-webhook-tls \
   --webhook-addr "0.0.0.0:$port" --probe-addr "127.0.0.1:$probe" >"$log" 2>&1 &
 capo_pid=$!
@@ -154,7 +154,7 @@ if [[ "$how" == argocd ]]; then
 '{range .status.operationState.syncResult.resources[*]}  {.kind}/{.name}: {.message}{"\n"}{end}'
   run kubectl get capopolicies
   run kubectl get reservedips
-  run target/debug/capo holds -n capo-system
+  run target/debug/capo holds --capo-namespace capo-system
   echo "the policy is gone, $old_ip is still held: released when DUE IN says (40m after the Pod is gone), not before"
 fi
 say "Done. capo stops now; the control plane stays up (make testenv-down)."

@@ -15,33 +15,67 @@ use crate::leader::LeaderSettings;
 use crate::release::{EngineSettings, PlanSettings};
 use crate::server::ConnectionLimits;
 
-/// `capo` runs the controller; its subcommands are the operator's tools (they use the
-/// current kubeconfig, like kubectl).
+/// `capo run` runs the controller; the other subcommands are the operator's tools (they use
+/// the kubeconfig, like kubectl, and work as the kubectl plugin `kubectl capo`).
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "capo",
     version,
     about = "Holds the IPs of deleted stateful Pods in Calico IPReservations",
-    args_conflicts_with_subcommands = true
+    arg_required_else_help = true
 )]
 pub struct Cli {
     #[command(subcommand)]
-    pub command: Option<Command>,
+    pub command: Command,
     #[command(flatten)]
-    pub run: Args,
+    pub kube: KubeFlags,
+}
+
+/// Which cluster to talk to, as kubectl takes it.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct KubeFlags {
+    /// The kubeconfig file (default: $KUBECONFIG, then ~/.kube/config; in a Pod, its
+    /// ServiceAccount).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubeconfig context to use (default: its current context).
+    #[arg(long, global = true, value_name = "NAME")]
+    pub context: Option<String>,
+}
+
+impl KubeFlags {
+    pub fn target(&self) -> crate::client::Target {
+        crate::client::Target { kubeconfig: self.kubeconfig.clone(), context: self.context.clone() }
+    }
+}
+
+/// Which Pods' holds a command shows: `-n` one namespace, `-A` (or neither) all of them —
+/// holds are cluster-scoped, as in `kubectl get reservedips`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PodScope {
+    /// Only the holds of Pods in this namespace.
+    #[arg(short, long, value_name = "NAMESPACE", conflicts_with = "all_namespaces")]
+    pub namespace: Option<String>,
+    /// The holds of Pods in every namespace (the default).
+    #[arg(short = 'A', long)]
+    pub all_namespaces: bool,
 }
 
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum Command {
+    /// Run the controller: the admission webhook on every replica, releases on the leader.
+    Run(Box<Args>),
     /// List held IPs: IP, Pod, policy, trigger, held for, due in.
     Holds {
-        /// Output format: table or json.
-        #[arg(short, long, default_value = "table")]
+        #[command(flatten)]
+        scope: PodScope,
+        /// Output format.
+        #[arg(short, long, value_enum, default_value = "table")]
         output: crate::ops::Output,
-        /// capo's namespace: where its leader keeps the countdowns (when each hold's Pod
-        /// was seen gone).
-        #[arg(short, long, env = "POD_NAMESPACE", default_value = "capo-system")]
-        namespace: String,
+        /// capo's own namespace: where its leader keeps the countdowns (when each hold's
+        /// Pod was seen gone).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "capo-system", value_name = "NAMESPACE")]
+        capo_namespace: String,
     },
     /// Release held IPs now (the leader does it, paced by the policy's releaseInterval).
     Release {
@@ -57,13 +91,14 @@ pub enum Command {
         /// How long from now, e.g. 2h.
         #[arg(long = "for")]
         for_: capo_api::Duration,
-        /// How long to wait for the leader to apply it.
+        /// How long to wait for the leader to take the new release time.
         #[arg(long, default_value = "60s")]
         wait: capo_api::Duration,
     },
     /// List policies: state, holds, cap.
     Policies {
-        #[arg(short, long, default_value = "table")]
+        /// Output format.
+        #[arg(short, long, value_enum, default_value = "table")]
         output: crate::ops::Output,
     },
     /// Take over the IPs the original capo holds, with their original reserve times
@@ -76,6 +111,50 @@ pub enum Command {
         #[arg(short, long, default_value = "-")]
         file: std::path::PathBuf,
     },
+}
+
+impl Cli {
+    /// The command line as given, with two allowances: started as the kubectl plugin
+    /// (`kubectl-capo`), help names it `kubectl capo`; and controller flags without a
+    /// subcommand (`capo --webhook-addr=…`, manifests of capo before `run` existed) mean
+    /// `capo run …`.
+    pub fn parse_args() -> Self {
+        use clap::{CommandFactory, FromArgMatches};
+        let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+        let plugin = args
+            .first()
+            .and_then(|a| std::path::Path::new(a).file_name())
+            .is_some_and(|n| n.to_string_lossy().starts_with("kubectl-"));
+        let mut command = Self::command();
+        if plugin {
+            command = command.bin_name("kubectl capo").display_name("kubectl capo");
+        }
+        let matches = command.get_matches_from(legacy_run(args));
+        Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+}
+
+impl Cli {
+    /// `capo run`'s flags, if this is `capo run`.
+    pub fn into_run(self) -> Option<Args> {
+        match self.command {
+            Command::Run(args) => Some(*args),
+            _ => None,
+        }
+    }
+}
+
+/// `capo --flag …` (a flag that is not one of `capo`'s own first) is `capo run --flag …`.
+pub fn legacy_run(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let first = args.get(1).map(|a| a.to_string_lossy().into_owned());
+    let own = ["-h", "--help", "-V", "--version", "--kubeconfig", "--context"];
+    if let Some(first) = first
+        && first.starts_with('-')
+        && !own.iter().any(|o| first == *o || first.starts_with(&format!("{o}=")))
+    {
+        args.insert(1, "run".into());
+    }
+    args
 }
 
 /// `capo take-over`'s flags.
@@ -504,12 +583,45 @@ fn url_host(url: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// `capo run <args>`'s flags.
+    fn run_from<'a>(args: impl IntoIterator<Item = &'a str>) -> Args {
+        let mut args: Vec<&str> = args.into_iter().collect();
+        args.insert(1, "run");
+        Cli::parse_from(args).into_run().expect("capo run")
+    }
+
+    #[test]
+    fn controller_flags_without_a_subcommand_mean_run_and_capos_own_flags_do_not() {
+        let args = |a: &[&str]| legacy_run(a.iter().map(std::ffi::OsString::from).collect());
+        let strs = |a: Vec<std::ffi::OsString>| a.into_iter().map(|s| s.into_string().unwrap()).collect::<Vec<_>>();
+        assert_eq!(
+            strs(args(&["capo", "--webhook-addr=0.0.0.0:9443"])),
+            ["capo", "run", "--webhook-addr=0.0.0.0:9443"]
+        );
+        for own in
+            [&["capo", "--help"][..], &["capo", "-V"], &["capo", "--context=x", "holds"], &["capo", "holds"], &["capo"]]
+        {
+            assert_eq!(strs(args(own)), own, "{own:?}");
+        }
+        let cli = Cli::parse_from(args(&["capo", "--leader-elect", "false"]));
+        assert!(!cli.into_run().expect("run").leader_elect);
+        let cli = Cli::parse_from(["capo", "holds", "-n", "shop", "--context", "prod", "-o", "yaml"]);
+        assert_eq!(cli.kube.context.as_deref(), Some("prod"));
+        let Command::Holds { scope, output, .. } = cli.command else { panic!("holds") };
+        assert_eq!((scope.namespace.as_deref(), output), (Some("shop"), crate::ops::Output::Yaml));
+        assert!(Cli::try_parse_from(["capo", "holds", "-n", "shop", "-A"]).is_err(), "-n or -A");
+        assert!(Cli::try_parse_from(["capo"]).is_err(), "a bare capo prints help");
+    }
+
     #[test]
     fn every_flag_has_an_env_var() {
         use clap::CommandFactory;
-        for arg in Cli::command().get_arguments() {
+        let cli = Cli::command();
+        let run = cli.find_subcommand("run").expect("capo run");
+        for arg in run.get_arguments() {
             let id = arg.get_id().as_str();
-            if id == "help" || id == "version" || id == "command" {
+            // --kubeconfig and --context are kubectl's (KUBECONFIG is read as kubectl does).
+            if ["help", "version", "kubeconfig", "context"].contains(&id) {
                 continue;
             }
             assert!(arg.get_env().is_some(), "--{id} has no environment variable");
@@ -518,7 +630,7 @@ mod tests {
 
     #[test]
     fn settings_from_flags() {
-        let args = Cli::parse_from([
+        let args = run_from([
             "capo",
             "--self-register-url",
             "https://127.0.0.1:9443",
@@ -527,31 +639,30 @@ mod tests {
             "--namespace",
             "ip-reserve",
         ]);
-        let s = args.run.settings().unwrap();
+        let s = args.settings().unwrap();
         assert_eq!(s.calico_api, Some(CalicoApiGroup::V3));
         assert_eq!(s.excluded_namespaces, vec!["ip-reserve".to_string(), "kube-system".to_string()]);
         assert!(matches!(s.tls, TlsSource::SelfSigned { ref hosts, .. } if hosts == &["127.0.0.1".to_string()]));
-        let bad = Cli::parse_from(["capo", "--calico-api", "v2"]).run.settings().unwrap_err();
+        let bad = run_from(["capo", "--calico-api", "v2"]).settings().unwrap_err();
         assert!(bad.to_string().contains("unknown Calico API"), "{bad}");
-        assert!(Cli::parse_from(["capo", "--self-register-url", "http://x"]).run.settings().is_err());
-        let bad = Cli::parse_from(["capo", "--lease-duration", "5s", "--lease-renew-grace", "5s"]).run.settings();
+        assert!(run_from(["capo", "--self-register-url", "http://x"]).settings().is_err());
+        let bad = run_from(["capo", "--lease-duration", "5s", "--lease-renew-grace", "5s"]).settings();
         assert!(matches!(bad, Err(ArgsError::LeaseTiming)));
         let release = s.release.unwrap();
         let election = release.election.unwrap();
         assert_eq!((election.lease_name.as_str(), election.namespace.as_str()), ("capo", "ip-reserve"));
-        let off = Cli::parse_from(["capo", "--leader-elect", "false"]).run.settings().unwrap();
+        let off = run_from(["capo", "--leader-elect", "false"]).settings().unwrap();
         assert!(off.release.unwrap().election.is_none(), "no election: this replica leads");
     }
 
     #[test]
     fn certificate_settings_from_flags() {
-        let files = Cli::parse_from(["capo", "--tls-dir", "/tls"]).run.settings().unwrap();
+        let files = run_from(["capo", "--tls-dir", "/tls"]).settings().unwrap();
         assert!(matches!(files.tls, TlsSource::Dir(ref d) if d == std::path::Path::new("/tls")));
         assert_eq!(files.inject_ca_bundle, None, "files: no injection unless asked");
-        let files = Cli::parse_from(["capo", "--inject-ca-bundle", "true"]).run.settings().unwrap();
+        let files = run_from(["capo", "--inject-ca-bundle", "true"]).settings().unwrap();
         assert_eq!(files.inject_ca_bundle.as_deref(), Some("capo"));
-        let managed =
-            Cli::parse_from(["capo", "--tls-secret", "capo-webhook-tls", "--namespace", "ip-reserve"]).run.settings();
+        let managed = run_from(["capo", "--tls-secret", "capo-webhook-tls", "--namespace", "ip-reserve"]).settings();
         let managed = managed.unwrap();
         let TlsSource::Managed(m) = &managed.tls else { panic!("{:?}", managed.tls) };
         assert_eq!(m.hosts, vec!["capo.ip-reserve.svc".to_string(), "capo.ip-reserve.svc.cluster.local".to_string()]);
@@ -559,7 +670,7 @@ mod tests {
         assert_eq!(m.cert_validity, Duration::from_secs(90 * 86400));
         assert_eq!(m.ca_validity, Duration::from_secs(5 * 365 * 86400));
         assert_eq!(managed.inject_ca_bundle.as_deref(), Some("capo"), "self-managed: injected by default");
-        let local = Cli::parse_from([
+        let local = run_from([
             "capo",
             "--tls-secret",
             "t",
@@ -568,24 +679,21 @@ mod tests {
             "--webhook-config-name",
             "mine",
         ])
-        .run
         .settings()
         .unwrap();
         assert!(matches!(&local.tls, TlsSource::Managed(m) if m.hosts == ["127.0.0.1"]));
         assert_eq!(local.inject_ca_bundle.as_deref(), Some("mine"));
-        let bad =
-            Cli::parse_from(["capo", "--tls-secret", "t", "--tls-cert-validity", "48h", "--tls-ca-validity", "24h"]);
-        assert!(matches!(bad.run.settings(), Err(ArgsError::CertValidity)));
-        let bad =
-            Cli::parse_from(["capo", "--self-register-url", "https://127.0.0.1:9443", "--inject-ca-bundle", "true"]);
-        assert!(matches!(bad.run.settings(), Err(ArgsError::InjectWithSelfRegister)));
+        let bad = run_from(["capo", "--tls-secret", "t", "--tls-cert-validity", "48h", "--tls-ca-validity", "24h"]);
+        assert!(matches!(bad.settings(), Err(ArgsError::CertValidity)));
+        let bad = run_from(["capo", "--self-register-url", "https://127.0.0.1:9443", "--inject-ca-bundle", "true"]);
+        assert!(matches!(bad.settings(), Err(ArgsError::InjectWithSelfRegister)));
     }
 
     #[test]
     fn calicos_etcd_settings() {
-        let kube = Cli::parse_from(["capo"]).run.settings().unwrap();
+        let kube = run_from(["capo"]).settings().unwrap();
         assert_eq!(kube.calico_etcd, None);
-        let etcd = Cli::parse_from([
+        let etcd = run_from([
             "capo",
             "--calico-datastore",
             "etcdv3",
@@ -598,15 +706,14 @@ mod tests {
             "--etcd-key-file",
             "/etc/calico/key.pem",
         ])
-        .run
         .settings()
         .unwrap();
         let cfg = etcd.calico_etcd.unwrap();
         assert_eq!(cfg.endpoints, vec!["https://10.0.0.1:2379".to_string(), "https://10.0.0.2:2379".to_string()]);
         assert_eq!(cfg.key_file.as_deref(), Some(std::path::Path::new("/etc/calico/key.pem")));
-        let none = Cli::parse_from(["capo", "--calico-datastore", "etcdv3"]).run.settings();
+        let none = run_from(["capo", "--calico-datastore", "etcdv3"]).settings();
         assert!(matches!(none, Err(ArgsError::NoEtcdEndpoints)), "{none:?}");
-        let v1 = Cli::parse_from([
+        let v1 = run_from([
             "capo",
             "--calico-datastore",
             "etcdv3",
@@ -615,8 +722,8 @@ mod tests {
             "--calico-api",
             "crd.projectcalico.org/v1",
         ]);
-        assert!(matches!(v1.run.settings(), Err(ArgsError::EtcdGroup(_))));
-        let bad = Cli::parse_from(["capo", "--calico-datastore", "etcd"]).run.settings().unwrap_err();
+        assert!(matches!(v1.settings(), Err(ArgsError::EtcdGroup(_))));
+        let bad = run_from(["capo", "--calico-datastore", "etcd"]).settings().unwrap_err();
         assert!(bad.to_string().contains("kubernetes or etcdv3"), "{bad}");
     }
 

@@ -38,17 +38,59 @@ pub fn client(config: Config, nodelay: bool) -> Result<Client, kube::Error> {
     Ok(Client::new(service, config.default_namespace))
 }
 
-/// The client from the environment (in-cluster, or the kubeconfig).
-pub async fn infer(nodelay: bool) -> Result<Client, kube::Error> {
-    client(Config::infer().await.map_err(kube::Error::InferConfig)?, nodelay)
+/// Which kubeconfig and context to use: `--kubeconfig` and `--context`, as kubectl takes
+/// them. Neither given: the environment (in a Pod its ServiceAccount, else `$KUBECONFIG`
+/// or `~/.kube/config`).
+#[derive(Clone, Debug, Default)]
+pub struct Target {
+    pub kubeconfig: Option<std::path::PathBuf>,
+    pub context: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("reading the kubeconfig {path}: {source}")]
+    Read { path: String, source: kube::config::KubeconfigError },
+    #[error("the kubeconfig's context {context}: {source}")]
+    Context { context: String, source: kube::config::KubeconfigError },
+    #[error("no cluster found (in-cluster or kubeconfig): {0}")]
+    Infer(#[from] kube::config::InferConfigError),
+    #[error("building the client: {0}")]
+    Client(#[from] kube::Error),
+}
+
+impl Target {
+    pub async fn config(&self) -> Result<Config, TargetError> {
+        use kube::config::{KubeConfigOptions, Kubeconfig};
+        let options = KubeConfigOptions { context: self.context.clone(), ..Default::default() };
+        let context = || self.context.clone().unwrap_or_else(|| "(current)".into());
+        match (&self.kubeconfig, &self.context) {
+            (None, None) => Ok(Config::infer().await?),
+            (Some(path), _) => {
+                let file = Kubeconfig::read_from(path)
+                    .map_err(|source| TargetError::Read { path: path.display().to_string(), source })?;
+                Config::from_custom_kubeconfig(file, &options)
+                    .await
+                    .map_err(|source| TargetError::Context { context: context(), source })
+            }
+            (None, Some(_)) => Config::from_kubeconfig(&options)
+                .await
+                .map_err(|source| TargetError::Context { context: context(), source }),
+        }
+    }
+}
+
+/// The client for `target`.
+pub async fn infer(target: &Target, nodelay: bool) -> Result<Client, TargetError> {
+    Ok(client(target.config().await?, nodelay)?)
 }
 
 /// capo's two clients: one for everything, and one for the leader's writes without kube's
 /// retry of 429/503/504 — a write the leader decided must not be sent again after it
 /// stopped leading. Both name the replica in their `User-Agent` (audit logs show who
 /// wrote what).
-pub async fn infer_pair(nodelay: bool, identity: &str) -> Result<(Client, Client), kube::Error> {
-    let mut config = Config::infer().await.map_err(kube::Error::InferConfig)?;
+pub async fn infer_pair(target: &Target, nodelay: bool, identity: &str) -> Result<(Client, Client), TargetError> {
+    let mut config = target.config().await?;
     let agent = format!("capo/{} ({identity})", env!("CARGO_PKG_VERSION"));
     if let Ok(value) = axum::http::HeaderValue::from_str(&agent) {
         config.headers.push((axum::http::header::USER_AGENT, value));

@@ -1,16 +1,15 @@
-use clap::Parser;
 use tracing::{error, info};
 
 use capo::cli::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
+    let target = cli.kube.target();
     match cli.command {
-        Some(command) => operator(command).await,
-        None => {
-            capo::telemetry::init(&cli.run.log_format);
-            match run(cli.run).await {
+        Command::Run(args) => {
+            capo::telemetry::init(&args.log_format);
+            match run(&target, *args).await {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
                     error!(error = %e, "capo stopped");
@@ -18,12 +17,13 @@ async fn main() -> std::process::ExitCode {
                 }
             }
         }
+        command => operator(&target, command).await,
     }
 }
 
-async fn run(args: capo::cli::Args) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(target: &capo::client::Target, args: capo::cli::Args) -> Result<(), Box<dyn std::error::Error>> {
     let settings = args.settings()?;
-    let (client, leader_client) = capo::client::infer_pair(args.api_tcp_nodelay, &args.identity()).await?;
+    let (client, leader_client) = capo::client::infer_pair(target, args.api_tcp_nodelay, &args.identity()).await?;
     let app = capo::App::start_with_leader_client(client, leader_client, settings).await?;
     shutdown_signal().await;
     info!("shutting down");
@@ -33,25 +33,27 @@ async fn run(args: capo::cli::Args) -> Result<(), Box<dyn std::error::Error>> {
 
 /// `capo holds|release|extend|policies|migrate`: print the answer, or the error and its
 /// exit code.
-async fn operator(command: Command) -> std::process::ExitCode {
+async fn operator(target: &capo::client::Target, command: Command) -> std::process::ExitCode {
     if let Command::Migrate { file } = &command {
         return migrate(file);
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = match capo::client::infer(true).await {
+    let client = match capo::client::infer(target, true).await {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("capo: no cluster to talk to (kubeconfig): {e}");
+            eprintln!("capo: {e}");
             return std::process::ExitCode::from(1);
         }
     };
     let result = match command {
-        Command::Holds { output, namespace } => capo::ops::holds(client, output, &namespace).await,
+        Command::Holds { scope, output, capo_namespace } => {
+            capo::ops::holds(client, output, scope.namespace.as_deref(), &capo_namespace).await
+        }
         Command::Policies { output } => capo::ops::policies(client, output).await,
         Command::Release { ips, wait } => capo::ops::release(client, &ips, wait.as_std()).await,
         Command::Extend { ip, for_, wait } => capo::ops::extend(client, ip, for_.as_std(), wait.as_std()).await,
         Command::TakeOver(args) => return take_over(client, &args).await,
-        Command::Migrate { .. } => unreachable!("handled without a cluster"),
+        Command::Migrate { .. } | Command::Run(_) => unreachable!("handled without a cluster"),
     };
     match result {
         Ok(out) => {

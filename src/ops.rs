@@ -25,10 +25,26 @@ use serde_json::json;
 
 use crate::release::decide::FallBackReason;
 
+/// `-o`, as kubectl takes it: a table, the table with more columns, the rows as JSON or
+/// YAML, or the objects' `kind.group/name` (for `xargs kubectl …`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
     Table,
+    Wide,
     Json,
+    Yaml,
+    Name,
+}
+
+impl Output {
+    /// `rows` as JSON or YAML; None for the table formats and `name`.
+    fn structured(self, rows: &[serde_json::Value]) -> Option<String> {
+        match self {
+            Self::Json => Some(serde_json::to_string_pretty(rows).expect("JSON") + "\n"),
+            Self::Yaml => Some(serde_saphyr::to_string(&rows).expect("YAML")),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -41,13 +57,17 @@ pub enum OpsError {
     Api { what: String, source: kube::Error },
     #[error("{0}: the leader did not act in time (is a capo replica running and leading?)")]
     TimedOut(String),
+    #[error("{0} was released before the leader saw the extension")]
+    ReleasedFirst(IpAddr),
+    #[error("{ip}: another request replaced this one before the leader took it ({by})")]
+    Superseded { ip: IpAddr, by: String },
 }
 
 impl OpsError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            Self::Api { .. } => 1,
-            Self::UnknownIp(_) => 3,
+            Self::Api { .. } | Self::Superseded { .. } => 1,
+            Self::UnknownIp(_) | Self::ReleasedFirst(_) => 3,
             Self::Forbidden(_) => 4,
             Self::TimedOut(_) => 5,
         }
@@ -113,46 +133,73 @@ fn sticky(now: Timestamp, r: &ReservedIP) -> String {
     }
 }
 
-/// Every hold, with the countdowns the leader keeps in `namespace` (capo's) shown in its
-/// status as `podGoneAt` and `releaseAt`.
-pub async fn holds(client: Client, output: Output, namespace: &str) -> Result<String, OpsError> {
+/// Every hold (of Pods in `pod_namespace`, if given), with the countdowns the leader keeps
+/// in `capo_namespace` shown in its status as `podGoneAt` and `releaseAt`. Countdowns the
+/// caller may not read leave those empty, with a warning on standard error.
+pub async fn holds(
+    client: Client,
+    output: Output,
+    pod_namespace: Option<&str>,
+    capo_namespace: &str,
+) -> Result<String, OpsError> {
     let api = Api::<ReservedIP>::all(client.clone());
     let mut list = api.list(&ListParams::default()).await.map_err(|e| OpsError::api("listing ReservedIPs", e))?.items;
-    let starts = crate::release::countdowns::read(&client, Some(namespace))
-        .await
-        .map_err(|e| OpsError::api(format!("reading the countdowns in namespace {namespace} (--namespace)"), e))?;
-    let settings = crate::release::decide::PlanSettings::default();
-    for r in &mut list {
-        crate::release::countdowns::overlay(r, &starts, &settings);
+    list.retain(|r| pod_namespace.is_none_or(|ns| r.spec.pod.namespace == ns));
+    match crate::release::countdowns::read(&client, Some(capo_namespace)).await {
+        Ok(starts) => {
+            let settings = crate::release::decide::PlanSettings::default();
+            for r in &mut list {
+                crate::release::countdowns::overlay(r, &starts, &settings);
+            }
+        }
+        Err(kube::Error::Api(s)) if s.code == 403 => eprintln!(
+            "capo: warning: no countdowns (DUE IN): cannot list ConfigMaps in namespace {capo_namespace} \
+             (--capo-namespace; the role in docs/operations.md grants it): {}",
+            s.message
+        ),
+        Err(e) => {
+            return Err(OpsError::api(
+                format!("reading the countdowns in namespace {capo_namespace} (--capo-namespace)"),
+                e,
+            ));
+        }
     }
     list.sort_by(|a, b| (&a.spec.policy, a.spec.reserved_at.0).cmp(&(&b.spec.policy, b.spec.reserved_at.0)));
     let now = Timestamp::now();
-    if output == Output::Json {
-        let rows: Vec<_> = list
-            .iter()
-            .map(|r| {
-                let st = r.status.clone().unwrap_or_default();
-                json!({
-                    "ip": r.spec.ip, "namespace": r.spec.pod.namespace, "pod": r.spec.pod.name,
-                    "policy": r.spec.policy, "reservation": r.spec.reservation, "trigger": r.spec.trigger,
-                    "reservedAt": r.spec.reserved_at, "podGoneAt": st.pod_gone_at, "releaseAt": st.release_at,
-                    "heldForSeconds": since(now, r.spec.reserved_at.0).as_secs(),
-                    "dueInSeconds": st.release_at.map(|t| t.0.duration_since(now).as_secs().max(0)),
-                    "manual": r.spec.manual,
-                    "claim": st.claim, "forced": r.spec.forced,
-                })
-            })
-            .collect();
-        return Ok(serde_json::to_string_pretty(&rows).expect("JSON") + "\n");
+    if output == Output::Name {
+        return Ok(list.iter().map(|r| format!("reservedip.capo.io/{}\n", r.name_any())).collect());
     }
-    let mut rows = vec![["IP", "POD", "POLICY", "TRIGGER", "HELD FOR", "DUE IN", "STICKY"].map(String::from).to_vec()];
+    let rows: Vec<_> = list
+        .iter()
+        .map(|r| {
+            let st = r.status.clone().unwrap_or_default();
+            json!({
+                "ip": r.spec.ip, "namespace": r.spec.pod.namespace, "pod": r.spec.pod.name,
+                "policy": r.spec.policy, "reservation": r.spec.reservation, "trigger": r.spec.trigger,
+                "reservedAt": r.spec.reserved_at, "podGoneAt": st.pod_gone_at, "releaseAt": st.release_at,
+                "heldForSeconds": since(now, r.spec.reserved_at.0).as_secs(),
+                "dueInSeconds": st.release_at.map(|t| t.0.duration_since(now).as_secs().max(0)),
+                "manual": r.manual(),
+                "claim": st.claim, "forced": r.spec.forced, "record": r.name_any(),
+            })
+        })
+        .collect();
+    if let Some(out) = output.structured(&rows) {
+        return Ok(out);
+    }
+    let wide = output == Output::Wide;
+    let mut header = vec!["IP", "POD", "POLICY", "TRIGGER", "HELD FOR", "DUE IN", "STICKY"];
+    if wide {
+        header.extend(["RESERVATION", "RELEASE AT", "MANUAL", "RECORD"]);
+    }
+    let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
     for r in &list {
         let pod = if r.spec.pod.name.is_empty() {
             "-".to_string()
         } else {
             format!("{}/{}", r.spec.pod.namespace, r.spec.pod.name)
         };
-        rows.push(vec![
+        let mut row = vec![
             r.spec.ip.clone(),
             pod,
             r.spec.policy.clone(),
@@ -160,10 +207,23 @@ pub async fn holds(client: Client, output: Output, namespace: &str) -> Result<St
             human(since(now, r.spec.reserved_at.0)),
             due_in(now, r),
             sticky(now, r),
-        ]);
+        ];
+        if wide {
+            let st = r.status.clone().unwrap_or_default();
+            row.extend([
+                r.spec.reservation.clone(),
+                st.release_at.map_or_else(|| "-".into(), |t| t.0.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()),
+                r.manual().map_or_else(|| "-".into(), |m| format!("{:?} by {}", m.action, m.by)),
+                r.name_any(),
+            ]);
+        }
+        rows.push(row);
     }
     if list.is_empty() {
-        return Ok("No IPs held.\n".into());
+        return Ok(match pod_namespace {
+            Some(ns) => format!("No IPs held for Pods in namespace {ns}.\n"),
+            None => "No IPs held.\n".into(),
+        });
     }
     Ok(table(&rows))
 }
@@ -196,12 +256,15 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
             None => ("Unknown".to_string(), String::new()),
         }
     };
-    if output == Output::Json {
+    if output == Output::Name {
+        return Ok(policies.iter().map(|p| format!("capopolicy.capo.io/{}\n", p.name_any())).collect());
+    }
+    if matches!(output, Output::Json | Output::Yaml) {
         let rows: Vec<_> = policies
             .iter()
             .map(|p| {
                 let (st, reason) = state(p);
-                json!({ "name": p.name_any(), "state": st, "reason": reason,
+                json!({ "name": p.name_any(), "state": st, "reason": reason, "priority": p.spec.priority,
                         "holds": holds.get(p.name_any().as_str()).copied().unwrap_or(0),
                         "maxReserved": p.spec.max_reserved, "reserveFor": p.spec.reserve_for,
                         "maxPoolShare": p.spec.max_pool_share,
@@ -210,13 +273,14 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
                             .collect::<Vec<_>>() })
             })
             .collect();
-        return Ok(serde_json::to_string_pretty(&rows).expect("JSON") + "\n");
+        return Ok(output.structured(&rows).expect("JSON or YAML"));
     }
-    let mut rows = vec![
-        ["NAME", "STATE", "REASON", "HOLDS", "CAP", "RESERVE-FOR", "MAX-POOL-SHARE", "POOL-SHARE"]
-            .map(String::from)
-            .to_vec(),
-    ];
+    let wide = output == Output::Wide;
+    let mut header = vec!["NAME", "STATE", "REASON", "HOLDS", "CAP", "RESERVE-FOR", "MAX-POOL-SHARE", "POOL-SHARE"];
+    if wide {
+        header.extend(["PRIORITY", "RELEASE-INTERVAL", "STICKY", "OPT-IN"]);
+    }
+    let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
     let pool_column = |policy: &str| {
         let list = shares.get(policy).map(|l| l.iter().map(PoolShare::to_string).collect::<Vec<_>>());
         list.filter(|l| !l.is_empty()).map_or_else(|| "-".to_string(), |l| l.join(","))
@@ -224,7 +288,7 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
     for p in &policies {
         let (st, reason) = state(p);
         let name = p.name_any();
-        rows.push(vec![
+        let mut row = vec![
             name.clone(),
             st,
             reason,
@@ -233,12 +297,24 @@ pub async fn policies(client: Client, output: Output) -> Result<String, OpsError
             p.spec.reserve_for.clone(),
             p.spec.max_pool_share.map_or_else(|| "global".to_string(), |s| format!("{s}%")),
             pool_column(&name),
-        ]);
+        ];
+        if wide {
+            row.extend([
+                p.spec.priority.to_string(),
+                p.spec.release_interval.clone(),
+                p.spec.sticky.enabled.to_string(),
+                p.spec.pod_overrides.allow_opt_in.to_string(),
+            ]);
+        }
+        rows.push(row);
     }
     for (policy, n) in &holds {
         if !policies.iter().any(|p| p.name_any() == *policy) {
             let mut row = vec![policy.to_string(), "Deleted".into(), String::new(), n.to_string()];
             row.extend(["-".into(), "-".into(), "-".into(), pool_column(policy)]);
+            if wide {
+                row.extend(["-".into(), "-".into(), "-".into(), "-".into()]);
+            }
             rows.push(row);
         }
     }
@@ -312,7 +388,13 @@ async fn request(client: &Client, ip: IpAddr, change: ManualChange) -> Result<Re
         .await
         .map_err(|e| OpsError::api(format!("reading ReservedIP {name}"), e))?
         .ok_or(OpsError::UnknownIp(ip))?;
-    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": { "manual": change } })))
+    // A merge patch keeps the fields it does not name: an earlier request's `until` and
+    // `takenAt` are cleared explicitly.
+    let mut manual = serde_json::to_value(&change).expect("JSON");
+    for field in ["until", "takenAt"] {
+        manual.as_object_mut().expect("object").entry(field).or_insert(serde_json::Value::Null);
+    }
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(json!({ "status": { "manual": manual } })))
         .await
         .map_err(|e| match e {
             kube::Error::Api(s) if s.code == 404 => OpsError::UnknownIp(ip),
@@ -348,6 +430,7 @@ pub async fn release(client: Client, ips: &[IpAddr], wait: Duration) -> Result<S
             by: by.clone(),
             at: MicroTime(Timestamp::now()),
             until: None,
+            taken_at: None,
         };
         request(&client, ip, change).await?;
     }
@@ -368,21 +451,31 @@ pub async fn extend(client: Client, ip: IpAddr, for_: Duration, wait: Duration) 
         by: by.clone(),
         at: MicroTime(Timestamp::now()),
         until: Some(MicroTime(until)),
+        taken_at: None,
     };
+    // The API server keeps microseconds: compared so.
+    let asked = change.at.0.as_microsecond();
     request(&client, ip, change).await?;
-    let expected = MicroTime(until);
+    // Done once the leader noted the request as taken into its plan (it then keeps the hold
+    // until `until`); gone first: released before the leader saw the extension.
     let rec = wait_for(&client, ip, wait, |r| {
         r.is_none_or(|r| {
-            let st = r.status.clone().unwrap_or_default();
-            // Applied once the leader wrote it, or (Pod not gone yet) it will be.
-            st.release_at.as_ref().map(|t| t.0.as_microsecond()) == Some(expected.0.as_microsecond())
-                || st.pod_gone_at.is_none()
+            r.status
+                .as_ref()
+                .and_then(|s| s.manual.as_ref())
+                .is_none_or(|m| m.at.0.as_microsecond() != asked || m.taken_at.is_some())
         })
     })
     .await?;
-    match rec {
-        None => Err(OpsError::UnknownIp(ip)),
-        Some(_) => Ok(format!("{ip} held until {} (extended by {by})\n", until.strftime("%Y-%m-%dT%H:%M:%SZ"))),
+    let Some(rec) = rec else { return Err(OpsError::ReleasedFirst(ip)) };
+    match rec.status.as_ref().and_then(|s| s.manual.as_ref()) {
+        Some(m) if m.at.0.as_microsecond() == asked => {
+            Ok(format!("{ip} held until {} (extended by {by})\n", until.strftime("%Y-%m-%dT%H:%M:%SZ")))
+        }
+        other => Err(OpsError::Superseded {
+            ip,
+            by: other.map_or_else(|| "someone".into(), |m| format!("{:?} by {}", m.action, m.by)),
+        }),
     }
 }
 

@@ -74,6 +74,7 @@ async fn spawn_replica(ns: &str, launch: Launch<'_>) -> Replica {
     let log = std::env::temp_dir().join(format!("capo-failover-{ns}-{identity}.log"));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_capo"));
     cmd.args([
+        "run",
         &format!("--webhook-addr=127.0.0.1:{port}"),
         &format!("--self-register-url=https://127.0.0.1:{port}"),
         &format!("--probe-addr=127.0.0.1:{probe}"),

@@ -837,19 +837,27 @@ async fn the_operator_cli_lists_releases_and_extends_holds_with_clear_exit_codes
     }
     let _ = std::fs::remove_file(&nobody);
 
-    // With no leader, a release request is written but not carried out: exit 5, still held.
+    // With no leader, a request is written but not carried out: exit 5, still held. (Before:
+    // `extend` returned 0 at once, whatever the leader did.)
     drop(capo);
+    let (code, _, err) = capo_cli(&["extend", &b.to_string(), "--for", "3h", "--wait", "2s"]).await;
+    assert_eq!(code, 5, "{err}");
+    assert!(err.contains("did not act in time"), "{err}");
     let (code, _, err) = capo_cli(&["release", &b.to_string(), "--wait", "2s"]).await;
     assert_eq!(code, 5, "{err}");
     assert!(err.contains("did not act in time"), "{err}");
     assert!(record(&client, b).await.is_some(), "only a leader releases");
 }
 
-/// An operator needs no write access to a record's spec: with `get`/`list` on
-/// `reservedips` and `patch` on `reservedips/status` only, `capo extend` and `capo release`
-/// work, and the request carries the operator's name.
+/// The operator roles as docs/operations.md ships them (config/rbac/operator_role.yaml) run
+/// every `capo` command, the way kubectl users type them: `-n` is the Pods' namespace, `-o`
+/// takes kubectl's formats, `--kubeconfig` and `--context` pick the cluster, and the binary
+/// works as the kubectl plugin `kubectl capo`. The operator needs no write access to a
+/// record's spec: `extend` and `release` write the request into its status, with their name.
+/// Before: `holds` as the documented operator failed (exit 4, no rights on the countdown
+/// ConfigMaps), and `holds -n <pods' namespace>` showed every hold as "pod not gone".
 #[tokio::test]
-async fn an_operator_with_only_status_rights_extends_and_releases() {
+async fn the_documented_operator_role_runs_every_command_the_kubectl_way() {
     let Scene { client, ns, capo: _capo, policy } = scene(
         "rel-operator",
         Duration::from_secs(600),
@@ -858,34 +866,96 @@ async fn an_operator_with_only_status_rights_extends_and_releases() {
     .await;
     let ip = held_gone_pod(&client, &ns.name, "redis-0").await;
     let user = format!("capo-test-operator-{}", ns.name);
-    let role = json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": { "name": user },
-        "rules": [
-            { "apiGroups": ["capo.io"], "resources": ["reservedips"], "verbs": ["get", "list", "watch"] },
-            { "apiGroups": ["capo.io"], "resources": ["reservedips/status"], "verbs": ["patch"] },
-        ],
-    });
-    let binding = json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": { "name": user },
-        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": user },
-        "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user }],
-    });
-    for obj in [role, binding] {
-        let (ok, out) = kubectl(&["apply", "--server-side", "-f", "-"], Some(&obj.to_string())).await;
-        assert!(ok, "{out}");
-    }
+    // The tests' leaders keep their countdowns in `default` (capo's namespace here).
+    let operator = documented_operator(&user, "default", false).await;
     let (_, can) = kubectl(&["auth", "can-i", "patch", "reservedips.capo.io", "--as", &user], None).await;
     assert!(can.trim().starts_with("no"), "the operator cannot write a record's spec: {can}");
-    let mut kc: serde_json::Value =
-        serde_saphyr::from_str(&std::fs::read_to_string(&capo_testenv::shared().kubeconfig).unwrap()).unwrap();
-    kc["users"][0]["user"]["as"] = user.clone().into();
-    let operator = std::env::temp_dir().join(format!("capo-operator-{}.kubeconfig", ns.name));
-    std::fs::write(&operator, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+    // The ClusterRole alone: the holds, without their countdowns, and a warning that says why.
+    let (code, out, err) = capo_cli_as(&operator, &["holds", "-n", &ns.name]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("cannot list ConfigMaps in namespace default"), "{err}");
+    assert!(out.lines().any(|l| l.starts_with(&ip.to_string()) && l.contains("pod not gone")), "{out}");
+    // With the Role in capo's namespace: when each is due.
+    documented_operator(&user, "default", true).await;
+    let line = eventually("the operator reads the countdowns", Duration::from_secs(10), || async {
+        let (code, out, err) = capo_cli_as(&operator, &["holds", "-n", &ns.name]).await;
+        assert_eq!(code, 0, "{out}{err}");
+        out.lines().find(|l| l.starts_with(&ip.to_string()) && l.contains("39m")).map(str::to_string)
+    })
+    .await;
+    assert!(line.contains(&format!("{}/redis-0", ns.name)) && line.contains(&policy), "{line}");
+    let (code, out, _) = capo_cli_as(&operator, &["holds", "-n", "capo-test-nowhere"]).await;
+    assert_eq!((code, out.as_str()), (0, "No IPs held for Pods in namespace capo-test-nowhere.\n"));
+    let (code, _, err) = capo_cli_as(&operator, &["holds", "-n", &ns.name, "-A"]).await;
+    assert_eq!(code, 2, "-n and -A together are a usage error: {err}");
+    let record_name = capo_api::reserved_ip::record_name(ip);
+    let (code, out, _) = capo_cli_as(&operator, &["holds", "-n", &ns.name, "-o", "name"]).await;
+    assert_eq!((code, out), (0, format!("reservedip.capo.io/{record_name}\n")));
+    let (code, out, _) = capo_cli_as(&operator, &["holds", "-A", "-o", "yaml"]).await;
+    assert_eq!(code, 0);
+    let rows: Vec<serde_json::Value> = serde_saphyr::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let row = rows.iter().find(|r| r["ip"] == ip.to_string()).unwrap_or_else(|| panic!("{ip} in {out}"));
+    assert_eq!((row["policy"].as_str(), row["namespace"].as_str()), (Some(policy.as_str()), Some(ns.name.as_str())));
+    let (code, out, _) = capo_cli_as(&operator, &["holds", "-n", &ns.name, "-o", "wide"]).await;
+    assert_eq!(code, 0);
+    assert!(out.starts_with("IP ") && out.contains("RELEASE AT") && out.contains(&record_name), "{out}");
+    let (code, out, err) = capo_cli_as(&operator, &["policies", "-o", "name"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.lines().any(|l| l == format!("capopolicy.capo.io/{policy}")), "{out}");
+    // Tenants find their holds by label, with kubectl alone.
+    let (ok, out) = kubectl(
+        &["get", "reservedips", "-l", &format!("capo.io/namespace={}", ns.name), "-o", "name", "--as", &user],
+        None,
+    )
+    .await;
+    assert!(ok && out.trim() == format!("reservedip.capo.io/{record_name}"), "{out}");
+
+    // The kubectl plugin, the cluster named by --kubeconfig (no KUBECONFIG) and --context.
+    let plugins = std::env::temp_dir().join(format!("capo-plugins-{}", ns.name));
+    std::fs::create_dir_all(&plugins).unwrap();
+    let _ = std::fs::remove_file(plugins.join("kubectl-capo"));
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_capo"), plugins.join("kubectl-capo")).unwrap();
+    let path = format!("{}:{}", plugins.display(), std::env::var("PATH").unwrap_or_default());
+    let plugin = |args: Vec<String>| {
+        let path = path.clone();
+        async move {
+            let out = tokio::process::Command::new("kubectl")
+                .arg("capo")
+                .args(&args)
+                .env("PATH", path)
+                .env_remove("KUBECONFIG")
+                .env("HOME", std::env::temp_dir())
+                .env("POD_NAMESPACE", "default")
+                .output()
+                .await
+                .expect("kubectl capo");
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+        }
+    };
+    let kubeconfig = operator.display().to_string();
+    let (code, out, err) =
+        plugin(vec!["holds".into(), "-n".into(), ns.name.clone(), "--kubeconfig".into(), kubeconfig.clone()]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.lines().any(|l| l.starts_with(&ip.to_string()) && l.contains("39m")), "{out}");
+    let (code, out, _) = plugin(vec!["--help".into()]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("Usage: kubectl capo"), "help names the plugin: {out}");
+    let (code, _, err) =
+        plugin(vec!["holds".into(), "--kubeconfig".into(), kubeconfig.clone(), "--context".into(), "nope".into()])
+            .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("context nope"), "{err}");
+    let (code, _, err) = plugin(vec!["holds".into()]).await;
+    assert_eq!(code, 1, "no kubeconfig at all: {err}");
+
+    // extend waits until the leader took the new time into its plan; release until it is done.
     let (code, out, err) = capo_cli_as(&operator, &["extend", &ip.to_string(), "--for", "2h"]).await;
     assert_eq!(code, 0, "{out}{err}");
     let rec = record(&client, ip).await.unwrap();
     let manual = rec.status.as_ref().and_then(|s| s.manual.clone()).expect("the request, in the status");
     assert_eq!((manual.action, manual.by.as_str()), (capo_api::ManualAction::Extend, user.as_str()));
+    assert!(manual.taken_at.is_some(), "extend returned once the leader took it: {manual:?}");
     let due = rec.status.unwrap().release_at.unwrap().0.duration_since(Timestamp::now()).as_secs();
     assert!((7100..=7200).contains(&due), "released in about 2h: {due}s");
     let (code, out, err) = capo_cli_as(&operator, &["release", &ip.to_string()]).await;
@@ -893,9 +963,35 @@ async fn an_operator_with_only_status_rights_extends_and_releases() {
     assert!(record(&client, ip).await.is_none(), "released");
     assert!(!entries(&client, &policy).await.contains(&cidr(ip)));
     let _ = std::fs::remove_file(&operator);
-    for kind in ["clusterrolebinding", "clusterrole"] {
-        let _ = kubectl(&["delete", kind, &user], None).await;
-    }
+    let _ = std::fs::remove_dir_all(&plugins);
+    let binding = format!("capo-operator-{user}");
+    let _ = kubectl(&["delete", "clusterrolebinding", &binding], None).await;
+    let _ = kubectl(&["-n", "default", "delete", "rolebinding", &binding], None).await;
+}
+
+/// A bare `capo` prints its help and starts nothing (a controller runs as `capo run`);
+/// controller flags without a subcommand, as manifests before `run` wrote them, still run it.
+#[tokio::test]
+async fn a_bare_capo_prints_help_and_starts_no_controller() {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
+        .env("KUBECONFIG", "/nonexistent")
+        .output()
+        .await
+        .expect("run capo");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "usage: {err}");
+    assert!(err.contains("Usage: capo") && err.contains("run ") && err.contains("holds"), "{err}");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo")).arg("--version").output().await.unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("capo "));
+    // The old form: flags alone are `capo run`; a bad one is refused as `run` refuses it.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
+        .args(["--lease-duration", "5s", "--lease-renew-grace", "5s"])
+        .env("KUBECONFIG", "/nonexistent")
+        .output()
+        .await
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success() && said.contains("--lease-duration must be longer"), "{said}");
 }
 
 /// `capo migrate` turns the original capo's default configuration into CapoPolicies that

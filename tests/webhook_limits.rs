@@ -180,6 +180,7 @@ impl Capo {
         let log = std::env::temp_dir().join(format!("capo-limits-{ns}.log"));
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
             .args([
+                "run",
                 &format!("--webhook-addr=127.0.0.1:{port}"),
                 &format!("--self-register-url=https://127.0.0.1:{port}"),
                 &format!("--probe-addr=127.0.0.1:{probe}"),

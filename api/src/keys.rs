@@ -7,6 +7,10 @@ pub const MANAGED_BY_VALUE: &str = "capo";
 /// On a capo-owned `IPReservation` and on a `ReservedIP`: the policy it belongs to.
 pub const POLICY_LABEL: &str = "capo.io/policy";
 
+/// On a `ReservedIP`: the held Pod's namespace, so a tenant lists the holds of theirs
+/// (`kubectl get reservedips -l capo.io/namespace=shop`).
+pub const NAMESPACE_LABEL: &str = "capo.io/namespace";
+
 /// On a `ReservedIP`: the uid of the held Pod's controller (its StatefulSet), so the
 /// webhook finds the holds of a Pod created again by that controller.
 pub const OWNER_UID_LABEL: &str = "capo.io/owner-uid";

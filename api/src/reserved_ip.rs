@@ -87,6 +87,10 @@ pub struct ManualChange {
     /// `Extend`: the new release time, replacing the TTL's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until: Option<MicroTime>,
+    /// When the leader took the request into its plan (`capo extend` waits for it); set
+    /// by the leader on the status' request only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taken_at: Option<MicroTime>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

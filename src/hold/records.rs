@@ -6,7 +6,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, OWNER_UID_LABEL, POLICY_LABEL};
+use capo_api::keys::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, NAMESPACE_LABEL, OWNER_UID_LABEL, POLICY_LABEL};
 use capo_api::reserved_ip::record_name;
 use capo_api::{ReservedIP, ReservedIPSpec};
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
@@ -115,6 +115,9 @@ impl Records {
             [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, spec.policy.as_str())]
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .into();
+        if is_label_value(&spec.pod.namespace) {
+            labels.insert(NAMESPACE_LABEL.to_string(), spec.pod.namespace.clone());
+        }
         // The webhook finds the holds of a Pod its controller creates again by this label.
         if let Some(uid) = spec.pod.controller.as_ref().and_then(|c| c.uid.as_deref())
             && is_label_value(uid)

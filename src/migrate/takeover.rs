@@ -322,9 +322,13 @@ async fn write(
     let fail = |message: String| TakeOverError::Write { ip: hold.ip, message };
     let name = record_name(hold.ip);
     let cidr = single_ip_cidr(hold.ip);
-    let labels = [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, policy)]
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .into();
+    let mut labels: std::collections::BTreeMap<String, String> =
+        [(MANAGED_BY_LABEL, MANAGED_BY_VALUE), (POLICY_LABEL, policy)]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into();
+    if let Some(ns) = &hold.namespace {
+        labels.insert(capo_api::keys::NAMESPACE_LABEL.to_string(), ns.clone());
+    }
     let record = ReservedIP {
         metadata: ObjectMeta { name: Some(name.clone()), labels: Some(labels), ..Default::default() },
         spec: ReservedIPSpec {

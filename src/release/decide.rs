@@ -404,8 +404,22 @@ pub fn decide(f: &Facts<'_>, settings: &PlanSettings) -> Decision {
         }
     };
     desired.claim = current.claim.as_ref().map(|c| claim_not_ahead(c, now));
+    take_request(rec, &mut desired, now);
     let action = sticky(f, desired.claim.as_ref(), action);
     Decision { status: desired, action }
+}
+
+/// Notes in the status that this leader has taken an operator's extension into its plan
+/// (`capo extend` waits for it), once. A release needs no note: its end is the record's.
+fn take_request(rec: &ReservedIP, desired: &mut ReservedIPStatus, now: Timestamp) {
+    let current = rec.manual();
+    if let Some(m) = desired.manual.as_mut()
+        && m.action == ManualAction::Extend
+        && m.taken_at.is_none()
+        && current.is_some_and(|c| c.at == m.at && c.by == m.by)
+    {
+        m.taken_at = Some(MicroTime(now));
+    }
 }
 
 /// Sticky IPs: a claimed hold ends once the Pod that replaced its own shows the address;
@@ -700,6 +714,7 @@ pub(crate) mod tests {
             by: "alice".into(),
             at: MicroTime(at(2.0)),
             until: Some(MicroTime(at(7200.0))),
+            taken_at: None,
         });
         let d = decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default());
         assert_eq!(d.status.release_at.as_ref().unwrap().0, at(7200.0));
@@ -709,6 +724,7 @@ pub(crate) mod tests {
             by: "bob".into(),
             at: MicroTime(at(50.0)),
             until: None,
+            taken_at: None,
         });
         assert_eq!(
             decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default()).action,
@@ -725,14 +741,24 @@ pub(crate) mod tests {
             by: "alice".into(),
             at: MicroTime(at(2.0)),
             until: Some(MicroTime(at(7200.0))),
+            taken_at: None,
         };
         r.status.as_mut().unwrap().manual = Some(extend.clone());
         let d = decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default());
         assert_eq!(d.status.release_at.as_ref().unwrap().0, at(7200.0));
-        assert_eq!(d.status.manual.as_ref(), Some(&extend), "the leader's status write keeps the request");
+        let taken = ManualChange { taken_at: Some(MicroTime(at(100.0))), ..extend.clone() };
+        assert_eq!(d.status.manual.as_ref(), Some(&taken), "the leader's status write keeps the request, taken");
+        r.status.as_mut().unwrap().manual = Some(taken.clone());
+        let again = decide(&facts(&r, None, Some(&p), 120.0), &PlanSettings::default());
+        assert_eq!(again.status.manual.as_ref(), Some(&taken), "taken once: the first time stays");
         // An older request in the spec does not undo it; a newer one does.
-        r.spec.manual =
-            Some(ManualChange { action: ManualAction::Release, by: "bob".into(), at: MicroTime(at(1.5)), until: None });
+        r.spec.manual = Some(ManualChange {
+            action: ManualAction::Release,
+            by: "bob".into(),
+            at: MicroTime(at(1.5)),
+            until: None,
+            taken_at: None,
+        });
         assert_eq!(
             decide(&facts(&r, None, Some(&p), 100.0), &PlanSettings::default()).action,
             Action::Wait(Some(at(7200.0)))
@@ -910,6 +936,7 @@ pub(crate) mod tests {
             by: "alice".into(),
             at: MicroTime(at(8.0)),
             until: None,
+            taken_at: None,
         });
         assert_eq!(decide(&facts(&manual, None, Some(&p), 9.0), &s).action, Action::FallBack(FallBackReason::Released));
         let mut missing = facts(&manual, None, Some(&p), 9.0);

@@ -611,6 +611,40 @@ pub async fn capo_cli_as(kubeconfig: &std::path::Path, args: &[&str]) -> (i32, S
     )
 }
 
+/// A kubeconfig of the shared control plane that acts as `user`, and nothing more.
+pub fn kubeconfig_as(user: &str) -> std::path::PathBuf {
+    let mut kc: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(&capo_testenv::shared().kubeconfig).unwrap()).unwrap();
+    kc["users"][0]["user"]["as"] = user.into();
+    let path = std::env::temp_dir().join(format!("capo-{user}.kubeconfig"));
+    std::fs::write(&path, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+    path
+}
+
+/// The operator roles exactly as docs/operations.md ships them (config/rbac/operator_role.yaml),
+/// applied with the Role in `capo_namespace`, and `user` bound to the ClusterRole and (if
+/// `with_role`) the Role, as the docs' two `kubectl create …binding` lines do.
+pub async fn documented_operator(user: &str, capo_namespace: &str, with_role: bool) -> std::path::PathBuf {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/config/rbac/operator_role.yaml");
+    let (ok, out) =
+        kubectl(&["apply", "--server-side", "--force-conflicts", "-n", capo_namespace, "-f", file], None).await;
+    assert!(ok, "{out}");
+    let binding = format!("capo-operator-{user}");
+    let (ok, out) =
+        kubectl(&["create", "clusterrolebinding", &binding, "--clusterrole", "capo-operator", "--user", user], None)
+            .await;
+    assert!(ok || out.contains("already exists"), "{out}");
+    if with_role {
+        let (ok, out) = kubectl(
+            &["-n", capo_namespace, "create", "rolebinding", &binding, "--role", "capo-operator", "--user", user],
+            None,
+        )
+        .await;
+        assert!(ok || out.contains("already exists"), "{out}");
+    }
+    kubeconfig_as(user)
+}
+
 /// The core scenario: a Pod of `ns` with an IP is deleted; its IP is held (entry and
 /// record) when the DELETE returns, and released by the leader once `policy`'s (short)
 /// reserveFor has passed: the record goes, the entry leaves `capo-<policy>` (v1 group).
