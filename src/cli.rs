@@ -322,6 +322,12 @@ pub struct Args {
     #[arg(long, env = "CAPO_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
 
+    /// Log level (error, warn, info, debug, trace) or `tracing` directives, e.g.
+    /// `info,capo::admission=debug` (debug says why each deletion was or was not held).
+    /// RUST_LOG, when set, wins.
+    #[arg(long, env = "CAPO_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+
     /// Elect a leader among replicas through a Lease (off: this replica always leads).
     #[arg(long, env = "CAPO_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
     pub leader_elect: bool,
@@ -401,6 +407,8 @@ pub enum ArgsError {
     CertValidity,
     #[error("--inject-ca-bundle with --self-register-url: capo registers its own CA already")]
     InjectWithSelfRegister,
+    #[error("--log-level {0:?}: {1}")]
+    LogLevel(String, String),
     #[error("--calico-datastore {0:?}: kubernetes or etcdv3")]
     Datastore(String),
     #[error("--calico-datastore etcdv3 needs --etcd-endpoints (ETCD_ENDPOINTS)")]
@@ -430,6 +438,8 @@ impl Args {
     }
 
     pub fn settings(&self) -> Result<Settings, ArgsError> {
+        crate::telemetry::filter(&self.log_level)
+            .map_err(|e| ArgsError::LogLevel(self.log_level.clone(), e.to_string()))?;
         let calico_api = calico_api(&self.calico_api)?;
         let calico_etcd = self.calico_etcd(calico_api)?;
         let mut excluded = self.excluded_namespaces.clone();
@@ -643,6 +653,8 @@ mod tests {
         assert_eq!(s.calico_api, Some(CalicoApiGroup::V3));
         assert_eq!(s.excluded_namespaces, vec!["ip-reserve".to_string(), "kube-system".to_string()]);
         assert!(matches!(s.tls, TlsSource::SelfSigned { ref hosts, .. } if hosts == &["127.0.0.1".to_string()]));
+        let bad = run_from(["capo", "--log-level", "loud!"]).settings().unwrap_err();
+        assert!(bad.to_string().starts_with("--log-level \"loud!\""), "{bad}");
         let bad = run_from(["capo", "--calico-api", "v2"]).settings().unwrap_err();
         assert!(bad.to_string().contains("unknown Calico API"), "{bad}");
         assert!(run_from(["capo", "--self-register-url", "http://x"]).settings().is_err());

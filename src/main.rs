@@ -8,7 +8,7 @@ async fn main() -> std::process::ExitCode {
     let target = cli.kube.target();
     match cli.command {
         Command::Run(args) => {
-            capo::telemetry::init(&args.log_format);
+            capo::telemetry::init(&args.log_format, &args.log_level);
             match run(&target, *args).await {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {

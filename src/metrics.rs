@@ -11,6 +11,9 @@ use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVe
 
 pub struct Metrics {
     pub registry: Registry,
+    /// The standard `process_*` metrics (CPU, resident memory, open files, start time),
+    /// unprefixed as every Prometheus client names them.
+    process: Registry,
     /// Admission reviews answered, by operation (delete, eviction) and outcome.
     pub admission_requests: IntCounterVec,
     /// Time to answer an admission review, by operation and outcome.
@@ -416,6 +419,13 @@ impl ReleaseMetrics {
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new_custom(Some("capo".into()), None).expect("static prefix");
+        let process = Registry::new();
+        process.register(Box::new(prometheus::process_collector::ProcessCollector::for_self())).expect("unique metric");
+        let build_info =
+            IntGaugeVec::new(Opts::new("build_info", "1, labelled with the version of capo that runs."), &["version"])
+                .expect("static metric");
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        registry.register(Box::new(build_info)).expect("unique metric");
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric");
             registry.register(Box::new(c.clone())).expect("unique metric");
@@ -491,6 +501,7 @@ impl Metrics {
             ),
         };
         Self {
+            process,
             calico,
             release,
             tls,
@@ -516,7 +527,9 @@ impl Metrics {
     pub fn render(&self) -> String {
         self.release.refresh_ages();
         let mut buf = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
+        let mut families = self.registry.gather();
+        families.extend(self.process.gather());
+        TextEncoder::new().encode(&families, &mut buf).expect("text encoding");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
     }
 }

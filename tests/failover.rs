@@ -280,6 +280,12 @@ async fn sigkill_the_leader_during_a_storm_loses_no_hold_and_releases_each_ip_on
     let m = metrics(survivor).await.unwrap();
     let ttl = value(&m, &format!("capo_releases_total{{policy=\"{policy}\",reason=\"ttl\"}}")).unwrap_or(0.0);
     assert!(ttl >= 1.0, "the survivor released what was due after it took over: {ttl}");
+    // What every Prometheus job expects of a process: its build and its resources.
+    let version = format!("capo_build_info{{version=\"{}\"}}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(value(&m, &version), Some(1.0), "{version}");
+    let rss = value(&m, "process_resident_memory_bytes").unwrap_or(0.0);
+    assert!(rss > 1e6, "process_resident_memory_bytes {rss}");
+    assert!(value(&m, "process_start_time_seconds").unwrap_or(0.0) > 1.7e9, "process_start_time_seconds");
     assert!(policy_entries(&client, capo_api::CalicoApiGroup::CrdV1, &policy).await.is_empty());
 }
 

@@ -992,6 +992,27 @@ async fn a_bare_capo_prints_help_and_starts_no_controller() {
         .unwrap();
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!out.status.success() && said.contains("--lease-duration must be longer"), "{said}");
+    // --log-level: a bad one is refused at start, and the level given is the one used.
+    let run = |level: &'static str| async move {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_capo"))
+            .args(["run", "--log-level", level, "--lease-duration", "5s", "--lease-renew-grace", "5s"])
+            .env("KUBECONFIG", "/nonexistent")
+            .env_remove("RUST_LOG")
+            .env("NO_COLOR", "1")
+            .output()
+            .await
+            .unwrap();
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    let (ok, said) = run("loud!").await;
+    assert!(!ok && said.contains("--log-level \"loud!\": \"loud!\" is not a level"), "{said}");
+    let (ok, said) = run("error").await;
+    assert!(!ok && said.contains("capo stopped"), "an error is logged at error: {said}");
+    let (ok, said) = run("off").await;
+    assert!(!ok && said.trim().is_empty(), "nothing is logged with the level off: {said}");
 }
 
 /// `capo migrate` turns the original capo's default configuration into CapoPolicies that
