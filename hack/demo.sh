@@ -50,6 +50,9 @@ say "A Redis StatefulSet on the kwok nodes"
 redis_statefulset 3
 run kubectl get pods -n redis -o wide
 
+say "Ask capo what deleting redis-0 would do (the webhook's own rule, on the live cluster)"
+run target/debug/capo explain redis/redis-0
+
 old_ip="$(kubectl get pod -n redis redis-0 -o jsonpath='{.status.podIP}')"
 old_uid="$(kubectl get pod -n redis redis-0 -o jsonpath='{.metadata.uid}')"
 say "Delete redis-0 (IP $old_ip): capo answers the API server only once the IP is held"
@@ -76,8 +79,9 @@ fi
 echo
 echo "redis-0: $old_ip -> $new_ip; $old_ip stays held until its TTL runs out."
 
-say "The leader counts the hold down from the moment the old Pod was gone (capo holds)"
+say "The leader counts the hold down from the moment the old Pod was gone (capo holds, capo explain)"
 run target/debug/capo holds
+run target/debug/capo explain redis/redis-0
 for _ in $(seq 60); do
   kubectl get reservedip "$old_ip" >/dev/null 2>&1 || break
   sleep 5

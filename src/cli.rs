@@ -61,6 +61,14 @@ pub struct PodScope {
     pub all_namespaces: bool,
 }
 
+/// `capo explain`'s Pod: `NAMESPACE/NAME`, or `NAME` in `namespace` (`-n`).
+pub fn explain_target(pod: &str, namespace: &str) -> (String, String) {
+    match pod.split_once('/') {
+        Some((ns, name)) => (ns.to_string(), name.to_string()),
+        None => (namespace.to_string(), pod.to_string()),
+    }
+}
+
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum Command {
     /// Run the controller: the admission webhook on every replica, releases on the leader.
@@ -100,6 +108,21 @@ pub enum Command {
         /// Output format.
         #[arg(short, long, value_enum, default_value = "table")]
         output: crate::ops::Output,
+    },
+    /// Why a Pod's addresses would be held on deletion (which policy, for how long, what
+    /// the cap does), or why not; for a Pod that is gone, its holds and when each is due.
+    Explain {
+        /// The Pod: NAMESPACE/NAME, or NAME with -n.
+        pod: String,
+        /// The Pod's namespace (when not given as NAMESPACE/NAME).
+        #[arg(short, long, default_value = "default")]
+        namespace: String,
+        /// Output format: table is the text explanation; json and yaml the same as data.
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: crate::ops::Output,
+        /// capo's own namespace (where its leader keeps the countdowns; never held in).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "capo-system", value_name = "NAMESPACE")]
+        capo_namespace: String,
     },
     /// Take over the IPs the original capo holds, with their original reserve times
     /// (after `capo migrate`, before uninstalling the original; see docs/migration.md).
@@ -621,6 +644,10 @@ mod tests {
         assert_eq!((scope.namespace.as_deref(), output), (Some("shop"), crate::ops::Output::Yaml));
         assert!(Cli::try_parse_from(["capo", "holds", "-n", "shop", "-A"]).is_err(), "-n or -A");
         assert!(Cli::try_parse_from(["capo"]).is_err(), "a bare capo prints help");
+        let cli = Cli::parse_from(["capo", "explain", "shop/redis-0"]);
+        let Command::Explain { pod, namespace, .. } = cli.command else { panic!("explain") };
+        assert_eq!(explain_target(&pod, &namespace), ("shop".into(), "redis-0".into()));
+        assert_eq!(explain_target("redis-0", "shop"), ("shop".into(), "redis-0".into()));
     }
 
     #[test]

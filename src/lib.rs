@@ -9,6 +9,7 @@ pub mod certs;
 pub mod cli;
 pub mod client;
 pub mod events;
+pub mod explain;
 pub mod health;
 pub mod hold;
 pub mod leader;

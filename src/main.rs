@@ -50,6 +50,10 @@ async fn operator(target: &capo::client::Target, command: Command) -> std::proce
             capo::ops::holds(client, output, scope.namespace.as_deref(), &capo_namespace).await
         }
         Command::Policies { output } => capo::ops::policies(client, output).await,
+        Command::Explain { pod, namespace, output, capo_namespace } => {
+            let (namespace, name) = capo::cli::explain_target(&pod, &namespace);
+            capo::explain::explain(client, &namespace, &name, &capo_namespace, output).await
+        }
         Command::Release { ips, wait } => capo::ops::release(client, &ips, wait.as_std()).await,
         Command::Extend { ip, for_, wait } => capo::ops::extend(client, ip, for_.as_std(), wait.as_std()).await,
         Command::TakeOver(args) => return take_over(client, &args).await,

@@ -38,7 +38,7 @@ pub enum Output {
 
 impl Output {
     /// `rows` as JSON or YAML; None for the table formats and `name`.
-    fn structured(self, rows: &[serde_json::Value]) -> Option<String> {
+    pub(crate) fn structured(self, rows: &[serde_json::Value]) -> Option<String> {
         match self {
             Self::Json => Some(serde_json::to_string_pretty(rows).expect("JSON") + "\n"),
             Self::Yaml => Some(serde_saphyr::to_string(&rows).expect("YAML")),

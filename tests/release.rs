@@ -755,6 +755,65 @@ async fn workload_or_namespace_deleted_releases_early_only_where_the_policy_says
     drop(capo);
 }
 
+/// `capo explain`, run as the operator would: for live Pods it says what a deletion would
+/// do (the policy and the time, the cap's choice, or why not), the webhook then does just
+/// that, and for a Pod that is gone it shows the hold and when it is due.
+#[tokio::test]
+async fn explain_says_what_a_deletion_would_do_and_the_webhook_does_it() {
+    let spec = json!({ "podSelector": { "matchLabels": { "app": "redis" } }, "reserveFor": "40m", "maxReserved": 1,
+        "releaseInterval": "100ms", "priority": 1000 });
+    let Scene { client, ns, capo: _capo, policy } = scene("rel-explain", Duration::from_secs(600), spec).await;
+    let a = selected_pod(&client, &ns.name, "redis-0", false).await;
+    selected_pod(&client, &ns.name, "redis-1", false).await;
+    let web = Ips::v4();
+    create_pod_with_ips(&client, &ns.name, unscheduled_pod("web-0", &[("app", "web")], &[]), &[web]).await;
+    let explain = |pod: &str| {
+        let args = ["explain".to_string(), format!("{}/{pod}", ns.name)];
+        async move { capo_cli(&args.iter().map(String::as_str).collect::<Vec<_>>()).await }
+    };
+
+    let (code, out, err) = explain("redis-0").await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("Deleted or evicted now: HOLD its addresses by policy {policy}, for 40m")), "{out}");
+    assert!(out.contains("cap: 1 of maxReserved 1 with this Pod's: within the bounds"), "{out}");
+    assert!(out.contains(&format!("{policy} (priority 1000): namespace covered; selected")), "{out}");
+    assert!(out.contains("owner is being deleted: NOT HELD") && out.contains("skip.ownerDeleted"), "{out}");
+    // NAME with -n, as kubectl takes it.
+    let (code, out, err) = capo_cli(&["explain", "web-0", "-n", &ns.name]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("NOT HELD: no policy selects it (not_selected)"), "{out}");
+    assert!(out.contains(&format!("{policy} (priority 1000): namespace covered; not selected")), "{out}");
+
+    // The webhook does what explain said.
+    delete_pod(&client, &ns.name, "web-0").await.unwrap();
+    assert!(record(&client, web).await.is_none(), "web-0 is not held");
+    delete_pod(&client, &ns.name, "redis-0").await.unwrap();
+    wait_status(&client, a).await;
+
+    // With redis-0 held, the cap is full: redis-1's hold would push redis-0's out.
+    let (_, out, _) = explain("redis-1").await;
+    eprintln!("capo explain {}/redis-1:\n{out}", ns.name);
+    assert!(out.contains(&format!("2 of maxReserved 1 with this Pod's: over, so the leader releases {a}")), "{out}");
+    // redis-0 is gone: its hold, when it is due, and why.
+    let (code, out, err) = explain("redis-0").await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("no such Pod") && out.contains("Held now:"), "{out}");
+    let held = out.lines().find(|l| l.trim_start().starts_with(&a.to_string())).unwrap_or_else(|| panic!("{out}"));
+    assert!(held.contains(&format!("by policy {policy} (Delete at")), "{held}");
+    assert!(out.contains("the Pod left at") && out.contains("(in 39m"), "due in about 40m: {out}");
+    let (code, out, _) = capo_cli(&["explain", &format!("{}/redis-0", ns.name), "-o", "json"]).await;
+    assert_eq!(code, 0);
+    let e: Vec<serde_json::Value> = serde_json::from_str(&out).expect("JSON");
+    assert_eq!((e[0]["live"].as_bool(), e[0]["holds"][0]["ip"].as_str()), (Some(false), Some(a.to_string().as_str())));
+    // The short name is capo's own (`cpol` is Kyverno's ClusterPolicy's).
+    let (ok, out) = kubectl(&["get", "capopol", &policy, "-o", "name"], None).await;
+    assert!(ok && out.trim() == format!("capopolicy.capo.io/{policy}"), "{out}");
+    // A Pod capo never saw: no hold, and where to look.
+    let (code, out, _) = explain("nope").await;
+    assert_eq!(code, 0);
+    assert!(out.contains("No hold for it now") && out.contains("involvedObject.name=nope"), "{out}");
+}
+
 /// Runs the `capo` binary's operator subcommand against the test control plane.
 /// Async, so the in-process capo keeps running while the command waits for it.
 #[tokio::test]

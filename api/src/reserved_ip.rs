@@ -28,8 +28,6 @@ use std::net::IpAddr;
     printcolumn(name = "Trigger", type_ = "string", json_path = ".spec.trigger"),
     printcolumn(name = "Hold", type_ = "string", json_path = ".spec.reserveFor"),
     printcolumn(name = "Reserved", type_ = "date", json_path = ".spec.reservedAt"),
-    printcolumn(name = "Pod-Gone", type_ = "date", json_path = ".status.podGoneAt"),
-    printcolumn(name = "Release-At", type_ = "string", json_path = ".status.releaseAt"),
     printcolumn(name = "Manual", type_ = "string", json_path = ".status.manual.action", priority = 1),
     printcolumn(name = "By", type_ = "string", json_path = ".status.manual.by", priority = 1)
 )]

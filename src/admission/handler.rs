@@ -408,11 +408,23 @@ impl Admission {
             }
         };
         let origin = Origin::Request { user: req.username.as_deref() };
-        let plan = match rule::decide(&self.matcher.load(), &pod, &ns, origin, &self.settings.excluded_namespaces) {
+        let dry_run = req.dry_run || (kind == PodOperation::Eviction && req.eviction_dry_run);
+        let matcher = self.matcher.load();
+        let plan = match rule::decide(&matcher, &pod, &ns, origin, &self.settings.excluded_namespaces) {
             Decision::Skip(reason) => {
                 self.metrics.skipped.with_label_values(&[reason.as_str()]).inc();
                 debug!(namespace, pod = %pod.name, reason = reason.as_str(), "not holding");
-                return Ok((Some(kind), "skipped", allow(resp, vec![])));
+                // A dry run asks what would happen: say why not, where a policy comes near.
+                let warnings = if dry_run {
+                    matcher
+                        .why_not(&reason, &pod, &ns.labels)
+                        .into_iter()
+                        .map(|w| format!("capo: dry run; not held: {w}"))
+                        .collect()
+                } else {
+                    vec![]
+                };
+                return Ok((Some(kind), "skipped", allow(resp, warnings)));
             }
             Decision::Hold(plan) => plan,
         };
@@ -424,7 +436,7 @@ impl Admission {
             let msg = format!("capo: {}/{}: no address in a Calico IP pool; nothing held", namespace, pod.name);
             return Ok((Some(kind), "outside_pools", allow(resp, vec![msg])));
         }
-        if req.dry_run || (kind == PodOperation::Eviction && req.eviction_dry_run) {
+        if dry_run {
             let mut warnings = plan.warnings.clone();
             let count = shards::count(plan.policy.max_reserved);
             let mut to: Vec<String> = pod

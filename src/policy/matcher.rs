@@ -64,7 +64,57 @@ pub enum SkipReason {
     },
 }
 
+/// One policy's view of a Pod ([`Matcher::consider`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Consideration {
+    pub policy: String,
+    pub priority: i32,
+    /// Its `namespaceSelector` takes the Pod's namespace (or it has none).
+    pub covers_namespace: bool,
+    /// Its `podSelector` and `workloads` take the Pod (or it has neither).
+    pub selects: bool,
+    pub opt_in: OptIn,
+}
+
+/// Whether the Pod asks this policy to hold it by annotation, and may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum OptIn {
+    /// No `capo.io/policy` naming it, no `capo.io/hold: "true"`.
+    NotAsked,
+    /// Named by `capo.io/policy`, and the policy allows opt-in.
+    Named,
+    /// `capo.io/hold: "true"` without a name, and the policy allows opt-in.
+    Hold,
+    /// Asked, but the policy does not set `podOverrides.allowOptIn`.
+    NotAllowed,
+}
+
 impl SkipReason {
+    /// Why, in a sentence for an operator (`capo explain`).
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Excluded => "its namespace is excluded (kube-system, capo's own, --excluded-namespaces)".into(),
+            Self::AlreadyDeleting => "its deletion is already under way: it was decided when the deletion began".into(),
+            Self::Done("released") => "capo released its hold already while the Pod stayed (capo.io/released)".into(),
+            Self::Done(_) => "capo found its addresses taken before (capo.io/not-held)".into(),
+            Self::NoIps => "it has no address yet".into(),
+            Self::HostNetwork => "it uses the node's network: its address is the node's".into(),
+            Self::OptedOut => "it opts out (capo.io/hold: \"false\")".into(),
+            Self::KubeVirtVm => "it is a KubeVirt VM's launcher: Calico keeps the VM's address itself".into(),
+            Self::NotSelected => "no policy selects it".into(),
+            Self::NamespaceTerminating { policy } => {
+                format!(
+                    "its namespace is being deleted, and policy {policy} skips such Pods (skip.namespaceTerminating)"
+                )
+            }
+            Self::OwnerDeleted { policy } => {
+                format!("its owner is being deleted, and policy {policy} skips such Pods (skip.ownerDeleted)")
+            }
+        }
+    }
+
     /// A short label for metrics and logs.
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -134,6 +184,80 @@ impl Matcher {
             let by_opt_in = p.allow_opt_in && (named == Some(&p.name) || (opt_in && named.is_none()));
             namespace_labels.is_none_or(|l| covers(p, l)) && (by_opt_in || selects(p, pod))
         })
+    }
+
+    /// How each policy, in the order [`Self::decide`] tries them, sees `pod` in a namespace
+    /// with these labels: the same tests `decide` makes, one by one (`capo explain`).
+    pub fn consider(&self, pod: &PodFacts, namespace_labels: &BTreeMap<String, String>) -> Vec<Consideration> {
+        let named = pod.annotations.get(POLICY_ANNOTATION);
+        let hold = pod.annotations.get(HOLD_ANNOTATION).is_some_and(|v| v == "true");
+        self.policies
+            .iter()
+            .map(|p| {
+                let opt_in = match (named, hold) {
+                    (Some(n), _) if *n == p.name && p.allow_opt_in => OptIn::Named,
+                    (Some(n), _) if *n == p.name => OptIn::NotAllowed,
+                    (None, true) if p.allow_opt_in => OptIn::Hold,
+                    (None, true) => OptIn::NotAllowed,
+                    _ => OptIn::NotAsked,
+                };
+                Consideration {
+                    policy: p.name.clone(),
+                    priority: p.priority,
+                    covers_namespace: covers(p, namespace_labels),
+                    selects: selects(p, pod),
+                    opt_in,
+                }
+            })
+            .collect()
+    }
+
+    /// Why `pod`, skipped for `reason`, is not held, in the words a dry-run deletion shows:
+    /// empty when no policy comes near it (a deletion nobody meant to be held says nothing).
+    /// For a Pod no policy selects, each policy that fails one test only: its namespace
+    /// selector, or an opt-in that is not allowed or not asked; for a Pod some policy takes
+    /// but that is skipped anyway, the reason.
+    pub fn why_not(
+        &self,
+        reason: &SkipReason,
+        pod: &PodFacts,
+        namespace_labels: &BTreeMap<String, String>,
+    ) -> Vec<String> {
+        let views = self.consider(pod, namespace_labels);
+        let ns = &pod.namespace;
+        let mut said = Vec::new();
+        if let Some(name) = pod.annotations.get(POLICY_ANNOTATION)
+            && self.get(name).is_none()
+        {
+            said.push(format!("{POLICY_ANNOTATION} names {name}, which is not loaded (not applied, or not Ready)"));
+        }
+        if *reason != SkipReason::NotSelected {
+            let taken = views
+                .iter()
+                .any(|c| c.covers_namespace && (c.selects || matches!(c.opt_in, OptIn::Named | OptIn::Hold)));
+            let chosen = matches!(reason, SkipReason::NamespaceTerminating { .. } | SkipReason::OwnerDeleted { .. });
+            if taken || chosen || matches!(reason, SkipReason::Done(_) | SkipReason::AlreadyDeleting) {
+                said.push(reason.describe());
+            }
+            return said;
+        }
+        for c in &views {
+            let p = &c.policy;
+            let allows = self.get(p).is_some_and(|p| p.allow_opt_in);
+            match (c.covers_namespace, c.selects, c.opt_in) {
+                (false, true, _) | (false, _, OptIn::Named | OptIn::Hold) => said.push(format!(
+                    "policy {p} selects this Pod but not its namespace {ns} (namespaceSelector: is the namespace labelled?)"
+                )),
+                (true, false, OptIn::NotAllowed) => said.push(format!(
+                    "this Pod asks policy {p} to hold it by annotation, but the policy allows no opt-in (podOverrides.allowOptIn)"
+                )),
+                (true, false, OptIn::NotAsked) if allows => said.push(format!(
+                    "policy {p} covers namespace {ns} and allows opt-in: annotate the Pod {POLICY_ANNOTATION}={p} to have it held"
+                )),
+                _ => {}
+            }
+        }
+        said
     }
 
     fn choose(
@@ -262,6 +386,38 @@ mod tests {
             Decision::Hold(p) => Some(&p.policy.name),
             Decision::Skip(_) => None,
         }
+    }
+
+    #[test]
+    fn why_not_names_the_near_misses_and_nothing_else() {
+        let m = Matcher::new([
+            compiled(
+                "elsewhere",
+                json!({ "namespaceSelector": { "matchLabels": { "team": "b" } },
+                "podSelector": { "matchLabels": { "app": "redis" } } }),
+            ),
+            compiled("strict", json!({ "podSelector": { "matchLabels": { "app": "zk" } } })),
+            compiled(
+                "open",
+                json!({ "podSelector": { "matchLabels": { "app": "kafka" } }, "podOverrides": { "allowOptIn": true } }),
+            ),
+        ]);
+        let ns = labels(&[]);
+        let redis = pod(json!({ "app": "redis" }), json!({}));
+        let why = m.why_not(&SkipReason::NotSelected, &redis, &ns);
+        assert_eq!(why.len(), 2, "{why:?}");
+        assert!(why[0].contains("policy elsewhere selects this Pod but not its namespace shop"), "{why:?}");
+        assert!(why[1].contains("policy open covers namespace shop and allows opt-in"), "{why:?}");
+        let asks = pod(json!({ "app": "web" }), json!({ "capo.io/policy": "strict" }));
+        let why = m.why_not(&SkipReason::NotSelected, &asks, &ns);
+        assert!(why.iter().any(|w| w.contains("asks policy strict") && w.contains("allows no opt-in")), "{why:?}");
+        let ghost = pod(json!({}), json!({ "capo.io/policy": "gone" }));
+        assert!(m.why_not(&SkipReason::NotSelected, &ghost, &ns)[0].contains("names gone, which is not loaded"));
+        // Skipped for its own sake: said only when a policy would take it.
+        let opted = pod(json!({ "app": "zk" }), json!({ "capo.io/hold": "false" }));
+        assert_eq!(m.why_not(&SkipReason::OptedOut, &opted, &ns).len(), 1);
+        let other = pod(json!({ "app": "web" }), json!({ "capo.io/hold": "false" }));
+        assert!(m.why_not(&SkipReason::OptedOut, &other, &ns).is_empty());
     }
 
     /// The sticky webhook's in-memory pre-filter never says no where `decide` would hold

@@ -7,4 +7,4 @@ mod matcher;
 
 pub use compile::{CompiledPolicy, PolicyError};
 pub use controller::{PolicyController, SharedMatcher};
-pub use matcher::{Decision, HoldPlan, Matcher, RequestContext, SkipReason};
+pub use matcher::{Consideration, Decision, HoldPlan, Matcher, OptIn, RequestContext, SkipReason};
